@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages e4kv builds and tests with. Does nothing when they are all present.
+set -euo pipefail
+
+packages=(
+  cmake ninja-build g++ make pkg-config
+  nlohmann-json3-dev libcli11-dev libssl-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "e4kv setup: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,79 @@
+// Small synthetic Hugging Face checkpoints with deterministic pseudo-random weights, for tests and
+// demos: a dense Llama model or a Qwen4Exp-shaped hybrid (QSA every 4th layer, linear attention
+// otherwise). Weights come from splitmix64 with a fixed seed, so two calls with the same options
+// produce identical bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+namespace e4kv {
+
+enum class SynthFamily {
+  kLlama,     // LlamaForCausalLM: dense GQA, every layer full attention
+  kQwen4Exp,  // Qwen4ExpForCausalLM text model: layer i is QSA when (i + 1) % 4 == 0, else linear
+};
+
+// "llama" | "qwen4exp".
+Result<SynthFamily> parse_synth_family(std::string_view name);
+std::string_view synth_family_name(SynthFamily family);
+
+struct SynthCheckpointOptions {
+  SynthFamily family = SynthFamily::kLlama;
+  int64_t n_layers = 4;
+  int64_t hidden_size = 64;
+  int64_t intermediate_size = 128;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 2;
+  int64_t head_dim = 32;
+  int64_t vocab_size = 256;
+  DType dtype = DType::kBF16;  // F16, BF16 or F32 for the weights; K/V scales are always F32
+  int64_t n_shards = 1;        // 1: model.safetensors; more: model-0000k-of-0000n + index
+  bool tie_word_embeddings = false;
+  bool with_kv_scales = false;  // canonical self_attn.{k,v}_scale F32 scalars on KV-cache layers
+  uint64_t seed = 0;
+
+  // Qwen4Exp only: the QSA indexer (DESIGN.md section 4) and the linear-attention geometry.
+  int64_t index_heads = 4;
+  int64_t index_dim = 32;
+  int64_t index_budget = 64;
+  int64_t index_ratio = 4;
+  int64_t linear_key_heads = 2;
+  int64_t linear_value_heads = 4;
+  int64_t linear_head_dim = 16;
+  int64_t linear_conv_kernel = 4;
+};
+
+struct SynthTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  std::vector<std::byte> data;
+};
+
+struct SynthCheckpoint {
+  std::string config_json;           // config.json text
+  std::vector<SynthTensor> tensors;  // in file order
+  // shard_of[i]: index of the shard holding tensors[i]; shard_names[k]: its file name.
+  std::vector<size_t> shard_of;
+  std::vector<std::string> shard_names;
+};
+
+// Validates the options (positive sizes, heads divisible by kv heads, a supported dtype, 1 <=
+// shards
+// <= tensor count, ...) and builds the whole checkpoint in memory.
+Result<SynthCheckpoint> make_synth_checkpoint(const SynthCheckpointOptions& options);
+
+// Writes make_synth_checkpoint(options) into `dir` (created if needed): config.json, the
+// safetensors file(s) and, when sharded, model.safetensors.index.json.
+Status write_synth_checkpoint(const std::filesystem::path& dir,
+                              const SynthCheckpointOptions& options);
+
+}  // namespace e4kv

@@ -1,0 +1,201 @@
+// The E4M3 codec on the GPU: the software decoder, the native decoder (sm_89+) and the host codec
+// agree on every code; the device build of e4m3.h encodes like the host build; on sm_89+ the
+// hardware's own cvt.rn.satfinite.e4m3x2.f32 agrees with our rounding on all 2^32 fp32 inputs.
+#include <cuda_fp16.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "backend/cuda/e4m3_vec.cuh"
+#include "e4kv/e4m3.h"
+
+namespace e4kv::cuda {
+namespace {
+
+#define E4KV_REQUIRE_GPU()                                     \
+  do {                                                         \
+    if (device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+template <E4m3Decode kMode>
+__global__ void decode_all_codes_kernel(uint16_t* out) {  // [256] fp16 bits
+  const int word = threadIdx.x;                           // 64 threads, 4 codes each
+  const uint32_t codes = uint32_t(4 * word) | uint32_t(4 * word + 1) << 8 |
+                         uint32_t(4 * word + 2) << 16 | uint32_t(4 * word + 3) << 24;
+  uint32_t lo;
+  uint32_t hi;
+  E4m3Decoder<kMode>::decode4(codes, lo, hi);
+  out[4 * word + 0] = uint16_t(lo & 0xFFFFu);
+  out[4 * word + 1] = uint16_t(lo >> 16);
+  out[4 * word + 2] = uint16_t(hi & 0xFFFFu);
+  out[4 * word + 3] = uint16_t(hi >> 16);
+}
+
+template <E4m3Decode kMode>
+std::vector<uint16_t> decode_all_codes_on_device() {
+  uint16_t* d_out = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_out, 256 * sizeof(uint16_t)));
+  E4KV_CUDA_CHECK(cudaMemset(d_out, 0xA5, 256 * sizeof(uint16_t)));  // poison
+  decode_all_codes_kernel<kMode><<<1, 64>>>(d_out);
+  E4KV_CUDA_CHECK_LAUNCH();
+  std::vector<uint16_t> out(256);
+  E4KV_CUDA_CHECK(
+      cudaMemcpy(out.data(), d_out, out.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  E4KV_CUDA_CHECK(cudaFree(d_out));
+  return out;
+}
+
+float half_bits_to_float(uint16_t bits) {
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+
+bool kernel_has_native_code() {
+  cudaFuncAttributes attr{};
+  E4KV_CUDA_CHECK(cudaFuncGetAttributes(&attr, decode_all_codes_kernel<E4m3Decode::kNative>));
+  return attr.binaryVersion >= 89;
+}
+
+TEST(E4m3Cuda, SoftwareDecoderExactOnEveryFiniteCode) {
+  E4KV_REQUIRE_GPU();
+  const std::vector<uint16_t> out = decode_all_codes_on_device<E4m3Decode::kSoftware>();
+  int checked = 0;
+  for (int code = 0; code < 256; ++code) {
+    if (e4m3_is_nan(uint8_t(code))) continue;
+    const float expected = e4m3_decode(uint8_t(code));
+    const float got =
+        half_bits_to_float(out[code]) * E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
+    EXPECT_EQ(got, expected) << "code 0x" << std::hex << code;
+    EXPECT_EQ(std::signbit(got), std::signbit(expected)) << "code 0x" << std::hex << code;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 254);
+}
+
+TEST(E4m3Cuda, NativeDecoderMatchesHostAndSoftware) {
+  E4KV_REQUIRE_GPU();
+  if (!e4m3_native_available(0)) GTEST_SKIP() << "no native E4M3 conversion on this device/build";
+  if (!kernel_has_native_code()) GTEST_SKIP() << "binary has no sm_89+ code for this device";
+  const std::vector<uint16_t> native = decode_all_codes_on_device<E4m3Decode::kNative>();
+  const std::vector<uint16_t> software = decode_all_codes_on_device<E4m3Decode::kSoftware>();
+  for (int code = 0; code < 256; ++code) {
+    if (e4m3_is_nan(uint8_t(code))) {
+      EXPECT_TRUE(std::isnan(half_bits_to_float(native[code]))) << "code 0x" << std::hex << code;
+      continue;
+    }
+    const float expected = e4m3_decode(uint8_t(code));
+    EXPECT_EQ(half_bits_to_float(native[code]), expected) << "code 0x" << std::hex << code;
+    EXPECT_EQ(std::signbit(half_bits_to_float(native[code])), std::signbit(expected));
+    // Bit-level relation: software = native * 2^-8 exactly.
+    EXPECT_EQ(half_bits_to_float(software[code]) * 256.0f, half_bits_to_float(native[code]))
+        << "code 0x" << std::hex << code;
+  }
+}
+
+__global__ void encode_kernel(const float* x, const float* scale, uint8_t* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = e4m3_encode(x[i], scale[i]);
+}
+
+TEST(E4m3Cuda, DeviceEncodeMatchesHostEncode) {
+  E4KV_REQUIRE_GPU();
+  constexpr int kN = 1 << 22;
+  std::mt19937_64 rng(20261129);
+  std::vector<float> x(kN);
+  std::vector<float> scale(kN);
+  for (int i = 0; i < kN; ++i) {
+    uint32_t bits = uint32_t(rng());
+    if (i % 2 == 0) bits = (bits & 0x807FFFFFu) | (uint32_t(100 + rng() % 50) << 23);
+    std::memcpy(&x[i], &bits, 4);
+    scale[i] = std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, int(rng() % 16) - 10);
+  }
+  float* d_x = nullptr;
+  float* d_scale = nullptr;
+  uint8_t* d_out = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_x, kN * sizeof(float)));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_scale, kN * sizeof(float)));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_out, kN));
+  E4KV_CUDA_CHECK(cudaMemcpy(d_x, x.data(), kN * sizeof(float), cudaMemcpyHostToDevice));
+  E4KV_CUDA_CHECK(cudaMemcpy(d_scale, scale.data(), kN * sizeof(float), cudaMemcpyHostToDevice));
+  E4KV_CUDA_CHECK(cudaMemset(d_out, 0xA5, kN));
+  encode_kernel<<<kN / 256, 256>>>(d_x, d_scale, d_out, kN);
+  E4KV_CUDA_CHECK_LAUNCH();
+  std::vector<uint8_t> out(kN);
+  E4KV_CUDA_CHECK(cudaMemcpy(out.data(), d_out, kN, cudaMemcpyDeviceToHost));
+  int mismatches = 0;
+  for (int i = 0; i < kN; ++i) {
+    const uint8_t expected = e4m3_encode(x[i], scale[i]);
+    if (out[i] != expected && ++mismatches <= 10) {
+      ADD_FAILURE() << "x=" << x[i] << " scale=" << scale[i] << " device 0x" << std::hex
+                    << int(out[i]) << " host 0x" << int(expected);
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+  E4KV_CUDA_CHECK(cudaFree(d_x));
+  E4KV_CUDA_CHECK(cudaFree(d_scale));
+  E4KV_CUDA_CHECK(cudaFree(d_out));
+}
+
+// Compares e4m3_from_float_satfinite with the hardware conversion on every fp32 bit pattern.
+__global__ void exhaustive_vs_hardware_kernel(uint32_t first, unsigned long long* mismatches,
+                                              uint32_t* first_bad) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t(1) << 30);
+       i += stride) {
+    const uint32_t bits = first + uint32_t(i);
+    const float q = __uint_as_float(bits);
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %1;" : "=h"(pair) : "f"(q));
+    const uint8_t hardware = uint8_t(pair & 0xFFu);
+    const uint8_t ours = e4m3_from_float_satfinite(q);
+    const bool same = (hardware == ours) || (e4m3_is_nan(hardware) && e4m3_is_nan(ours));
+    if (!same) {
+      if (atomicAdd(mismatches, 1ull) == 0) *first_bad = bits;
+    }
+  }
+#else
+  (void)first;
+  (void)mismatches;
+  (void)first_bad;
+#endif
+}
+
+TEST(E4m3Cuda, RoundingMatchesHardwareOnAllFloats) {
+  E4KV_REQUIRE_GPU();
+  if (compute_capability(0) < 89) GTEST_SKIP() << "no hardware E4M3 conversion before sm_89";
+  cudaFuncAttributes attr{};
+  E4KV_CUDA_CHECK(cudaFuncGetAttributes(&attr, exhaustive_vs_hardware_kernel));
+  if (attr.binaryVersion < 89) GTEST_SKIP() << "binary has no sm_89+ code for this device";
+  unsigned long long* d_mismatches = nullptr;
+  uint32_t* d_first_bad = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_mismatches, sizeof(unsigned long long)));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_first_bad, sizeof(uint32_t)));
+  E4KV_CUDA_CHECK(cudaMemset(d_mismatches, 0, sizeof(unsigned long long)));
+  E4KV_CUDA_CHECK(cudaMemset(d_first_bad, 0, sizeof(uint32_t)));
+  for (uint64_t first = 0; first < (uint64_t(1) << 32); first += uint64_t(1) << 30) {
+    exhaustive_vs_hardware_kernel<<<4096, 256>>>(uint32_t(first), d_mismatches, d_first_bad);
+    E4KV_CUDA_CHECK_LAUNCH();
+  }
+  unsigned long long mismatches = 0;
+  uint32_t first_bad = 0;
+  E4KV_CUDA_CHECK(
+      cudaMemcpy(&mismatches, d_mismatches, sizeof(mismatches), cudaMemcpyDeviceToHost));
+  E4KV_CUDA_CHECK(cudaMemcpy(&first_bad, d_first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(mismatches, 0ull) << "first mismatching fp32 bits 0x" << std::hex << first_bad;
+  std::printf(
+      "[ info ] all 2^32 fp32 inputs: %llu mismatches against cvt.rn.satfinite.e4m3x2.f32\n",
+      mismatches);
+  E4KV_CUDA_CHECK(cudaFree(d_mismatches));
+  E4KV_CUDA_CHECK(cudaFree(d_first_bad));
+}
+
+}  // namespace
+}  // namespace e4kv::cuda

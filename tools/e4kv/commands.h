@@ -1,0 +1,14 @@
+// Subcommands of the e4kv program, one file each. Each add_*_command registers a subcommand whose
+// callback stores its outcome in `result`; main prints a failed Status as one line and exits 1.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+
+namespace e4kv::cli {
+
+void add_inspect_command(CLI::App& app, Status& result);
+void add_synth_command(CLI::App& app, Status& result);
+
+}  // namespace e4kv::cli
