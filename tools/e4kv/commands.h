@@ -10,5 +10,6 @@ namespace e4kv::cli {
 
 void add_inspect_command(CLI::App& app, Status& result);
 void add_synth_command(CLI::App& app, Status& result);
+void add_capacity_command(CLI::App& app, Status& result);
 
 }  // namespace e4kv::cli

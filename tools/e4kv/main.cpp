@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   e4kv::Status result;
   e4kv::cli::add_inspect_command(app, result);
   e4kv::cli::add_synth_command(app, result);
+  e4kv::cli::add_capacity_command(app, result);
 
   try {
     app.parse(argc, argv);

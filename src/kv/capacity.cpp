@@ -1,0 +1,98 @@
+#include "kv/capacity.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+#include "kv/block_allocator.h"
+
+namespace e4kv {
+
+int64_t KvCacheLayout::main_bytes_per_token_per_layer(KvCacheDtype dtype) const {
+  return 2 * n_kv_heads * head_dim * static_cast<int64_t>(kv_cache_elem_bytes(dtype));
+}
+
+int64_t KvCacheLayout::index_bytes_per_block_per_layer() const {
+  if (n_qsa_layers == 0) return 0;
+  return (block_size / ratio) * index_dim * 2;
+}
+
+int64_t KvCacheLayout::block_bytes(KvCacheDtype dtype) const {
+  return n_kv_layers * block_size * main_bytes_per_token_per_layer(dtype) +
+         n_qsa_layers * index_bytes_per_block_per_layer();
+}
+
+double KvCacheLayout::bytes_per_token(KvCacheDtype dtype) const {
+  return static_cast<double>(block_bytes(dtype)) / static_cast<double>(block_size);
+}
+
+int64_t KvCacheLayout::ring_bytes_per_seq() const {
+  return n_qsa_layers * ring_cap * index_dim * 2;
+}
+
+Result<KvCacheLayout> kv_cache_layout(const ModelConfig& config, int64_t block_size,
+                                      int64_t ring_cap) {
+  if (block_size <= 0 || block_size % 16 != 0) {
+    return Status::error(
+        cat("block size ", block_size, " is not a positive multiple of 16 (try 16, 32 or 64)"));
+  }
+  KvCacheLayout layout;
+  layout.block_size = block_size;
+  layout.n_kv_layers = static_cast<int64_t>(config.kv_cache_layers().size());
+  layout.n_qsa_layers = config.count_layers(LayerKind::kQsaAttention);
+  layout.n_kv_heads = config.n_kv_heads;
+  layout.head_dim = config.head_dim;
+  if (layout.n_kv_layers == 0) {
+    return Status::error(
+        "the model has no layer with a KV cache (all layers are linear attention)");
+  }
+  if (layout.n_kv_heads <= 0 || layout.head_dim <= 0) {
+    return Status::error(cat("the model config gives n_kv_heads ", layout.n_kv_heads,
+                             " and head_dim ", layout.head_dim, "; both must be positive"));
+  }
+  if (layout.n_qsa_layers > 0) {
+    if (!config.qsa || config.qsa->index_dim <= 0 || config.qsa->ratio <= 0) {
+      return Status::error("the model has QSA layers but no valid indexer geometry");
+    }
+    layout.index_dim = config.qsa->index_dim;
+    layout.ratio = config.qsa->ratio;
+    if (block_size % layout.ratio != 0) {
+      return Status::error(cat("block size ", block_size,
+                               " is not a multiple of the QSA compress ratio ", layout.ratio));
+    }
+    layout.ring_cap = ring_cap == 0 ? layout.ratio : ring_cap;
+    if (layout.ring_cap < layout.ratio) {
+      return Status::error(
+          cat("raw ring capacity ", ring_cap, " is below the QSA compress ratio ", layout.ratio));
+    }
+  }
+  return layout;
+}
+
+KvCapacity kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype, int64_t budget_bytes,
+                       int64_t reserved_seqs) {
+  E4KV_ASSERT(budget_bytes >= 0 && reserved_seqs >= 0, "kv_capacity: negative budget or seqs");
+  const int64_t block_bytes = layout.block_bytes(dtype);
+  E4KV_ASSERT(block_bytes > 0, "kv_capacity: empty block");
+  const int64_t pool =
+      std::max<int64_t>(0, budget_bytes - reserved_seqs * layout.ring_bytes_per_seq());
+  KvCapacity capacity;
+  capacity.n_blocks = pool / block_bytes;
+  capacity.n_tokens = capacity.n_blocks * layout.block_size;
+  capacity.pool_bytes = capacity.n_blocks * block_bytes;
+  return capacity;
+}
+
+RequestConcurrency request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
+                                       int64_t budget_bytes, int64_t request_tokens) {
+  E4KV_ASSERT(request_tokens > 0, "request_concurrency: request_tokens must be positive");
+  RequestConcurrency out;
+  out.blocks_per_request = blocks_for_tokens(request_tokens, layout.block_size);
+  out.bytes_per_request =
+      out.blocks_per_request * layout.block_bytes(dtype) + layout.ring_bytes_per_seq();
+  out.max_concurrency =
+      static_cast<double>(budget_bytes) / static_cast<double>(out.bytes_per_request);
+  out.max_requests = budget_bytes / out.bytes_per_request;
+  return out;
+}
+
+}  // namespace e4kv
