@@ -12,7 +12,8 @@ status=0
 
 {
   echo "date: $(date -u +%FT%TZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo +dirty)"
+  if [ -f COMMIT ]; then echo "commit: $(cat COMMIT) (snapshot)"; else
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo +dirty)"; fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
   nvcc --version | tail -1
 } | tee "$OUT/env.txt"

@@ -145,9 +145,10 @@ TEST(E4m3Cuda, DeviceEncodeMatchesHostEncode) {
 
 // Compares e4m3_from_float_satfinite with the hardware conversion on every fp32 bit pattern.
 __global__ void exhaustive_vs_hardware_kernel(uint32_t first, unsigned long long* mismatches,
-                                              uint32_t* first_bad) {
+                                              uint32_t* first_bad, unsigned long long* checked) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  unsigned long long count = 0;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t(1) << 30);
        i += stride) {
     const uint32_t bits = first + uint32_t(i);
@@ -160,11 +161,14 @@ __global__ void exhaustive_vs_hardware_kernel(uint32_t first, unsigned long long
     if (!same) {
       if (atomicAdd(mismatches, 1ull) == 0) *first_bad = bits;
     }
+    ++count;
   }
+  atomicAdd(checked, count);  // proves every input was visited
 #else
   (void)first;
   (void)mismatches;
   (void)first_bad;
+  (void)checked;
 #endif
 }
 
@@ -176,16 +180,23 @@ TEST(E4m3Cuda, RoundingMatchesHardwareOnAllFloats) {
   if (attr.binaryVersion < 89) GTEST_SKIP() << "binary has no sm_89+ code for this device";
   unsigned long long* d_mismatches = nullptr;
   uint32_t* d_first_bad = nullptr;
+  unsigned long long* d_checked = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_checked, sizeof(unsigned long long)));
+  E4KV_CUDA_CHECK(cudaMemset(d_checked, 0, sizeof(unsigned long long)));
   E4KV_CUDA_CHECK(cudaMalloc(&d_mismatches, sizeof(unsigned long long)));
   E4KV_CUDA_CHECK(cudaMalloc(&d_first_bad, sizeof(uint32_t)));
   E4KV_CUDA_CHECK(cudaMemset(d_mismatches, 0, sizeof(unsigned long long)));
   E4KV_CUDA_CHECK(cudaMemset(d_first_bad, 0, sizeof(uint32_t)));
   for (uint64_t first = 0; first < (uint64_t(1) << 32); first += uint64_t(1) << 30) {
-    exhaustive_vs_hardware_kernel<<<4096, 256>>>(uint32_t(first), d_mismatches, d_first_bad);
+    exhaustive_vs_hardware_kernel<<<4096, 256>>>(uint32_t(first), d_mismatches, d_first_bad,
+                                                 d_checked);
     E4KV_CUDA_CHECK_LAUNCH();
   }
   unsigned long long mismatches = 0;
   uint32_t first_bad = 0;
+  unsigned long long checked = 0;
+  E4KV_CUDA_CHECK(cudaMemcpy(&checked, d_checked, sizeof(checked), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(checked, 1ull << 32) << "inputs visited";
   E4KV_CUDA_CHECK(
       cudaMemcpy(&mismatches, d_mismatches, sizeof(mismatches), cudaMemcpyDeviceToHost));
   E4KV_CUDA_CHECK(cudaMemcpy(&first_bad, d_first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost));
@@ -195,6 +206,7 @@ TEST(E4m3Cuda, RoundingMatchesHardwareOnAllFloats) {
       mismatches);
   E4KV_CUDA_CHECK(cudaFree(d_mismatches));
   E4KV_CUDA_CHECK(cudaFree(d_first_bad));
+  E4KV_CUDA_CHECK(cudaFree(d_checked));
 }
 
 }  // namespace
