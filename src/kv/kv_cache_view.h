@@ -72,6 +72,13 @@ struct IndexerCompressedView {
   int64_t index_dim = 128;
 
   int64_t rows_per_block() const { return block_size / ratio; }
+
+  // Row of group c of block-table row `seq`: [index_dim] FP16 bits. The caller has checked that
+  // the group's block is mapped.
+  uint16_t* row(const BlockTableView& block_table, int64_t seq, int64_t c) const {
+    const int64_t block = block_table.block(seq, c * ratio / block_size);
+    return data + (block * rows_per_block() + c % rows_per_block()) * index_dim;
+  }
 };
 
 }  // namespace e4kv

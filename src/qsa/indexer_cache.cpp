@@ -30,8 +30,7 @@ uint16_t* compressed_row_mut(const IndexerCompressedView& compressed,
   const int32_t block = block_tables.block(seq, logical);
   E4KV_ASSERT(block >= 0 && block < compressed.n_blocks,
               cat("indexer: group ", c, " of sequence ", seq, " maps to block ", block));
-  const int64_t row = c % compressed.rows_per_block();
-  return compressed.data + (block * compressed.rows_per_block() + row) * compressed.index_dim;
+  return compressed.row(block_tables, seq, c);
 }
 
 }  // namespace

@@ -10,15 +10,6 @@ namespace e4kv {
 
 namespace {
 
-// FP16 row of group c of block-table row `seq`: [index_dim].
-const uint16_t* compressed_row(const IndexerCompressedView& compressed,
-                               const BlockTableView& block_table, int64_t seq, int64_t group) {
-  const int64_t token = group * compressed.ratio;
-  const int64_t block = block_table.block(seq, token / compressed.block_size);
-  const int64_t row = (token % compressed.block_size) / compressed.ratio;
-  return compressed.data + (block * compressed.rows_per_block() + row) * compressed.index_dim;
-}
-
 Status validate_select(const QsaSelectionConfig& config, const IndexerCompressedView& compressed,
                        const BlockTableView& block_table, const QueryBatchView& rows,
                        const uint16_t* index_q, const int32_t* sel_tokens,
@@ -89,7 +80,7 @@ void qsa_index_scores(const uint16_t* index_q, int64_t n_index_heads,
   std::vector<float> khat(static_cast<size_t>(index_dim));
   const float sqrt_index_dim = std::sqrt(float(index_dim));
   for (int64_t c = 0; c < n_groups; ++c) {
-    const uint16_t* row = compressed_row(compressed, block_table, seq, c);
+    const uint16_t* row = compressed.row(block_table, seq, c);
     for (int64_t d = 0; d < index_dim; ++d) khat[size_t(d)] = f16_to_f32(row[d]);
     float sum = 0.0f;
     for (int64_t h = 0; h < n_index_heads; ++h) {
