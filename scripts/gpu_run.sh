@@ -36,7 +36,7 @@ E4KV_FORCE_SOFTWARE_E4M3=1 step cuda_tests_forced_software build-gpu/tests/e4kv_
 step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
   build-gpu/tests/e4kv_cuda_tests --gtest_filter=-*AllFloats*
 
-if [ -x bench/gpu_bench.sh ]; then step bench bench/gpu_bench.sh build-gpu "$OUT"; fi
+if [ -x bench/gpu_bench.sh ]; then step bench bench/gpu_bench.sh build-gpu "$OUT"; cat "$OUT/bench.log"; fi
 
 echo "=== summary: $([ $status -eq 0 ] && echo ALL OK || echo FAILURES)"
 exit $status

@@ -35,8 +35,22 @@ struct E4m3Decoder<E4m3Decode::kSoftware> {
   __device__ __forceinline__ static void decode4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
     const uint32_t a = __byte_perm(codes, 0u, 0x1404u);  // code1 << 24 | code0 << 8
     const uint32_t b = __byte_perm(codes, 0u, 0x3424u);  // code3 << 24 | code2 << 8
-    lo = (a & 0x80008000u) | ((a >> 1) & 0x3F803F80u);
-    hi = (b & 0x80008000u) | ((b >> 1) & 0x3F803F80u);
+    lo = spread_to_f16(a);
+    hi = spread_to_f16(b);
+  }
+
+  // {code kByte of x, code kByte of y} as one FP16x2 word (first element in the low half): the
+  // operand pairs of P*V, whose two elements come from two tokens.
+  template <int kByte>
+  __device__ __forceinline__ static uint32_t decode_pair(uint32_t x, uint32_t y) {
+    // High byte of lane 0 <- x.kByte, of lane 1 <- y.kByte; the low bytes are shifted out below.
+    return spread_to_f16(__byte_perm(x, y, uint32_t((4 + kByte) << 12 | kByte << 4)));
+  }
+
+ private:
+  // Two 16-bit lanes holding a code in their high byte -> FP16 patterns of value * 2^-8.
+  __device__ __forceinline__ static uint32_t spread_to_f16(uint32_t lanes) {
+    return (lanes & 0x80008000u) | ((lanes >> 1) & 0x3F803F80u);
   }
 };
 
@@ -59,6 +73,27 @@ struct E4m3Decoder<E4m3Decode::kNative> {
     (void)codes;
     lo = hi = 0;
     __trap();
+#endif
+  }
+
+  template <int kByte>
+  __device__ __forceinline__ static uint32_t decode_pair(uint32_t x, uint32_t y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
+    const uint32_t pair = __byte_perm(x, y, uint32_t((4 + kByte) << 4 | kByte));
+    uint32_t out;
+    asm("{\n\t"
+        ".reg .b16 l, h;\n\t"
+        "mov.b32 {l, h}, %1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, l;\n\t"
+        "}"
+        : "=r"(out)
+        : "r"(pair));
+    return out;
+#else
+    (void)x;
+    (void)y;
+    __trap();
+    return 0;
 #endif
   }
 };

@@ -1,0 +1,249 @@
+// Decode attention benchmark: e4kv paged decode over FP16 and E4M3 (software and native decode)
+// caches at the issue's shapes, plus the device-to-device copy bandwidth as the ceiling. Prints a
+// table and writes JSON (argv[1], default decode_attention.json). Times are medians of CUDA-event
+// timings after warm-up; bytes are the K and V bytes the launch must read.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "backend/cuda/paged_decode_attention.cuh"
+
+namespace {
+
+using namespace e4kv;
+using namespace e4kv::cuda;
+
+struct Shape {
+  const char* name;
+  int batch;
+  int n_heads;
+  int n_kv_heads;
+  int head_dim;
+  int ctx;
+  int qsa_budget;  // 0: dense
+};
+
+__global__ void fill_kernel(uint8_t* data, size_t n, uint32_t seed, bool e4m3) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    if (e4m3) {
+      uint8_t code = uint8_t(x);
+      if ((code & 0x7F) == 0x7F) code = 0x3F;  // no NaN codes
+      data[i] = code;
+    } else if (i % 2 == 1) {
+      // high byte of an FP16 value: sign + exponent in a modest range
+      data[i] = uint8_t((x & 0x80) | (0x30 + (x >> 8) % 12));
+    } else {
+      data[i] = uint8_t(x);
+    }
+  }
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <class F>
+float time_ms(F&& launch, int iters = 20) {
+  cudaEvent_t start, stop;
+  E4KV_CUDA_CHECK(cudaEventCreate(&start));
+  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    E4KV_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    E4KV_CUDA_CHECK(cudaEventRecord(stop));
+    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  E4KV_CUDA_CHECK(cudaEventDestroy(start));
+  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
+  return median(times);
+}
+
+double copy_bandwidth_tbs() {
+  const size_t bytes = size_t(2) << 30;
+  void* a = nullptr;
+  void* b = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&a, bytes));
+  E4KV_CUDA_CHECK(cudaMalloc(&b, bytes));
+  E4KV_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  const float ms = time_ms([&] { E4KV_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+  E4KV_CUDA_CHECK(cudaFree(a));
+  E4KV_CUDA_CHECK(cudaFree(b));
+  return 2.0 * double(bytes) / (ms * 1e-3) / 1e12;
+}
+
+struct Measurement {
+  std::string shape;
+  std::string kv;
+  double ms;
+  double bytes;
+  double tbs;
+};
+
+Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
+  constexpr int kBlock = 64;
+  const int64_t blocks_per_seq = (s.ctx + kBlock - 1) / kBlock;
+  const int64_t n_blocks = blocks_per_seq * s.batch;
+  const KvCacheGeometry geo{n_blocks, kBlock, s.n_kv_heads, s.head_dim, dtype};
+  uint8_t* cache = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&cache, geo.total_bytes()));
+  fill_kernel<<<4096, 256>>>(cache, geo.total_bytes(), 12345u, dtype == KvCacheDtype::kE4m3);
+  E4KV_CUDA_CHECK_LAUNCH();
+
+  std::mt19937 rng(7);
+  std::vector<int32_t> table(n_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  std::vector<int32_t> row_seq(s.batch), row_pos(s.batch, s.ctx - 1), seq_lens(s.batch, s.ctx);
+  std::iota(row_seq.begin(), row_seq.end(), 0);
+  const int64_t sel_width = s.qsa_budget > 0 ? s.qsa_budget + 3 : 0;
+  std::vector<int32_t> sel(std::max<int64_t>(1, s.batch * sel_width), -1);
+  std::vector<int32_t> counts(s.batch, 0);
+  int64_t keys = s.ctx;
+  if (s.qsa_budget > 0) {
+    const int groups = s.ctx / 4;
+    for (int r = 0; r < s.batch; ++r) {
+      std::vector<int32_t> g(groups);
+      std::iota(g.begin(), g.end(), 0);
+      std::shuffle(g.begin(), g.end(), rng);
+      g.resize(s.qsa_budget / 4);
+      std::sort(g.begin(), g.end());
+      int n = 0;
+      for (int32_t x : g) {
+        for (int j = 0; j < 4; ++j) sel[r * sel_width + n++] = 4 * x + j;
+      }
+      for (int t = 4 * groups; t < s.ctx; ++t) sel[r * sel_width + n++] = t;
+      counts[r] = n;
+    }
+    keys = *std::max_element(counts.begin(), counts.end());
+  }
+  auto upload = [](const std::vector<int32_t>& v) {
+    int32_t* d = nullptr;
+    E4KV_CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(int32_t)));
+    E4KV_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return d;
+  };
+  int32_t* d_table = upload(table);
+  int32_t* d_row_seq = upload(row_seq);
+  int32_t* d_row_pos = upload(row_pos);
+  int32_t* d_seq_lens = upload(seq_lens);
+  int32_t* d_sel = upload(sel);
+  int32_t* d_counts = upload(counts);
+  const size_t q_elems = size_t(s.batch) * s.n_heads * s.head_dim;
+  uint16_t* d_q = nullptr;
+  float* d_out = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_q, q_elems * 2));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_out, q_elems * 4));
+  fill_kernel<<<64, 256>>>(reinterpret_cast<uint8_t*>(d_q), q_elems * 2, 99u, false);
+  E4KV_CUDA_CHECK_LAUNCH();
+
+  PagedAttentionParams p;
+  p.cache = KvCacheView{cache, geo, 0.01f, 0.01f};
+  p.block_table = BlockTableView{d_table, s.batch, blocks_per_seq};
+  p.rows.n_rows = s.batch;
+  p.rows.row_seq = d_row_seq;
+  p.rows.row_pos = d_row_pos;
+  p.rows.seq_lens = d_seq_lens;
+  if (s.qsa_budget > 0) {
+    p.rows.sel_tokens = d_sel;
+    p.rows.sel_counts = d_counts;
+    p.rows.sel_width = sel_width;
+  }
+  p.n_heads = s.n_heads;
+  p.q = d_q;
+  p.out = d_out;
+
+  const DecodeAttentionPlan plan = plan_decode_attention(s.batch, s.n_kv_heads, keys, n_sms);
+  float* d_ws = nullptr;
+  const size_t ws_floats =
+      decode_attention_workspace_floats(s.batch, plan.n_splits, s.n_heads, s.head_dim);
+  E4KV_CUDA_CHECK(cudaMalloc(&d_ws, ws_floats * 4));
+  DecodeAttentionWorkspace ws{d_ws,
+                              d_ws + s.batch * plan.n_splits * s.n_heads,
+                              d_ws + 2 * s.batch * plan.n_splits * s.n_heads,
+                              s.batch,
+                              plan.n_splits,
+                              s.n_heads,
+                              s.head_dim};
+  const float ms = time_ms([&] {
+    const Status st = paged_decode_attention(p, plan, ws, native, nullptr);
+    if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
+  });
+  const double bytes = double(s.batch) * double(keys) * s.n_kv_heads * s.head_dim * 2.0 *
+                       double(geo.elem_bytes());
+  for (void* ptr : {(void*)cache, (void*)d_table, (void*)d_row_seq, (void*)d_row_pos,
+                    (void*)d_seq_lens, (void*)d_sel, (void*)d_counts, (void*)d_q, (void*)d_out,
+                    (void*)d_ws}) {
+    E4KV_CUDA_CHECK(cudaFree(ptr));
+  }
+  const std::string kv = dtype == KvCacheDtype::kF16 ? "fp16" : native ? "e4m3-native" : "e4m3-soft";
+  return Measurement{s.name, kv, ms, bytes, bytes / (ms * 1e-3) / 1e12};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json_path = argc > 1 ? argv[1] : "decode_attention.json";
+  if (device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  int n_sms = 0;
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
+  const bool native = decode_attention_native_e4m3_usable(0);
+  const double copy_tbs = copy_bandwidth_tbs();
+  std::printf("device copy bandwidth (read+write): %.3f TB/s\n", copy_tbs);
+
+  const std::vector<Shape> shapes = {
+      {"b32_h32_kv8_d128_8k", 32, 32, 8, 128, 8192, 0},
+      {"b8_h32_kv8_d128_32k", 8, 32, 8, 128, 32768, 0},
+      {"b4_h16_kv2_d256_128k", 4, 16, 2, 256, 131072, 0},
+      {"b64_h24_kv2_d256_8k", 64, 24, 2, 256, 8192, 0},
+      {"b1_h16_kv2_d256_20k", 1, 16, 2, 256, 20480, 0},
+      {"qsa_b4_h16_kv2_d256_128k_budget2048", 4, 16, 2, 256, 131072, 2048},
+  };
+  std::vector<Measurement> results;
+  std::printf("%-38s %-12s %10s %10s %9s %8s\n", "shape", "kv", "time_us", "MB_read", "TB/s",
+              "vs_copy");
+  for (const Shape& s : shapes) {
+    std::vector<std::pair<KvCacheDtype, bool>> kinds = {{KvCacheDtype::kF16, false},
+                                                        {KvCacheDtype::kE4m3, false}};
+    if (native) kinds.push_back({KvCacheDtype::kE4m3, true});
+    for (auto [dtype, use_native] : kinds) {
+      const Measurement m = run(s, dtype, use_native, n_sms);
+      std::printf("%-38s %-12s %10.1f %10.1f %9.3f %7.1f%%\n", m.shape.c_str(), m.kv.c_str(),
+                  m.ms * 1e3, m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs);
+      results.push_back(m);
+    }
+  }
+  FILE* f = std::fopen(json_path, "w");
+  if (f == nullptr) return 1;
+  std::fprintf(f, "{\"copy_tbs\": %.4f, \"results\": [\n", copy_tbs);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Measurement& m = results[i];
+    std::fprintf(f, "  {\"shape\": \"%s\", \"kv\": \"%s\", \"ms\": %.5f, \"bytes\": %.0f, \"tbs\": %.4f}%s\n",
+                 m.shape.c_str(), m.kv.c_str(), m.ms, m.bytes, m.tbs,
+                 i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "]}\n");
+  std::fclose(f);
+  return 0;
+}

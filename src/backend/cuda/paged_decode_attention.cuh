@@ -1,0 +1,55 @@
+// Paged attention for query rows against the main KV cache (FP16 or E4M3), dense or over a QSA
+// selection: one warp per (row, KV head, split), tensor cores for Q.K and P.V, split-K partials
+// merged by log-sum-exp. Host-only header (no CUDA include beyond the stream type).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/attention_params.h"
+#include "core/status.h"
+
+namespace e4kv::cuda {
+
+// How the keys of each row are cut: split s covers key-list entries
+// [s * keys_per_split, (s + 1) * keys_per_split); one warp computes one split.
+struct DecodeAttentionPlan {
+  int64_t keys_per_split = 0;  // a multiple of 8
+  int64_t n_splits = 0;        // per row
+};
+
+// Picks the split so that the launch fills `n_sms` multiprocessors with a few warps each.
+// max_keys: the most keys any row attends (row_pos + 1, or the QSA selection count).
+DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
+                                          int n_sms);
+
+// Partial results between the two kernels (device memory, fp32):
+//   m, l: [n_rows, n_splits, n_heads]; acc: [n_rows, n_splits, n_heads, head_dim]
+struct DecodeAttentionWorkspace {
+  float* m = nullptr;
+  float* l = nullptr;
+  float* acc = nullptr;
+  int64_t max_rows = 0;
+  int64_t max_splits = 0;
+  int64_t n_heads = 0;
+  int64_t head_dim = 0;
+};
+
+// True when `device` can run the native-E4M3 instance: sm_89+, not forced to software
+// (e4m3_native_available), and this binary holds sm_89+ code for it (not only older PTX).
+bool decode_attention_native_e4m3_usable(int device);
+
+size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, int64_t n_heads,
+                                         int64_t head_dim);
+
+// out = attention of every row of params.rows (device pointers throughout; params.out fp32).
+// Limits: head_dim 64, 128 or 256; GQA group (n_heads / n_kv_heads) <= 16; block_size a multiple
+// of 8. E4M3 caches use the native conversion when `native_e4m3` (sm_89+ builds) and the software
+// decoder otherwise. Returns an error for shapes outside the limits; launch failures are fatal.
+Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAttentionPlan& plan,
+                              const DecodeAttentionWorkspace& workspace, bool native_e4m3,
+                              cudaStream_t stream);
+
+}  // namespace e4kv::cuda
