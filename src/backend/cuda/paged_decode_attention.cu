@@ -37,6 +37,7 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 struct DecodeKernelParams {
   const uint8_t* cache;  // [n_blocks, 2, block_size, n_kv_heads, head_dim] FP16 or E4M3 bytes
   int32_t block_size;
+  int32_t block_shift;  // log2(block_size) when a power of two, else -1
   int32_t n_kv_heads;
   const int32_t* block_table;  // [n_seqs, max_blocks_per_seq]
   int64_t max_blocks_per_seq;
@@ -46,9 +47,9 @@ struct DecodeKernelParams {
   const int32_t* sel_counts;  // [n_rows]
   int64_t sel_width;
   int32_t n_heads;
-  int32_t group;              // n_heads / n_kv_heads
-  const uint16_t* q;          // [n_rows, n_heads, head_dim] FP16
-  float qk_scale_log2;        // k_scale * decode factor / sqrt(head_dim) * log2(e)
+  int32_t group;        // n_heads / n_kv_heads
+  const uint16_t* q;    // [n_rows, n_heads, head_dim] FP16
+  float qk_scale_log2;  // k_scale * decode factor / sqrt(head_dim) * log2(e)
   int32_t keys_per_split;
   int32_t n_splits;
   float* m;    // [n_rows, n_splits, n_heads] (base-2 logits)
@@ -121,6 +122,20 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   constexpr int kVLoads = kVDimsPerThread / kVElems;
   constexpr int kVWords = kVElems * kEB / 4;
   constexpr int kMTiles = kHeadDim / 16;
+  // Tiles per iteration: about 64 registers of raw K/V per thread (8 KB per warp in flight), half
+  // that with two head tiles (their Q and O fragments take the room).
+  constexpr int kRawRegsPerTile = kKLoads * kKWords + 2 * kVLoads * kVWords;
+  // Tiles per iteration: about 64 registers of raw K/V per thread (8 KB per warp in flight), half
+  // that with two head tiles (their Q and O fragments take the room).
+  constexpr int kRawBudget = kHeadTiles == 2 ? 32 : 64;
+  constexpr int kSub = kRawBudget / kRawRegsPerTile < 1   ? 1
+                       : kRawBudget / kRawRegsPerTile > 4 ? 4
+                                                          : kRawBudget / kRawRegsPerTile;
+  // note: prefetching the next iteration into a second register buffer was measured slower on the
+  // H200 (2026-11-29: E4M3 d128 323 us vs 252 us; FP16 unchanged): the extra registers cost a
+  // resident CTA per SM. Kept switchable for the next round of tuning.
+  constexpr bool kPrefetch = false;
+  constexpr int kIterTokens = kTileTokens * kSub;
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -137,13 +152,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   const int head0 = kv_head * p.group;
   const int seq = p.row_seq[row];
   const int32_t* table = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
-  const int32_t* sel = p.sel_tokens != nullptr ? p.sel_tokens + int64_t(row) * p.sel_width : nullptr;
+  const int32_t* sel =
+      p.sel_tokens != nullptr ? p.sel_tokens + int64_t(row) * p.sel_width : nullptr;
   const int64_t row_bytes = int64_t(p.n_kv_heads) * kHeadDim * kEB;
   const int64_t head_offset = int64_t(kv_head) * kHeadDim * kEB;
 
   // Q as A fragments, dims permuted like the K loads: step (c, m) covers, for thread t, dims
   // kKElems * (t + 4c) + 2m + {0, 1}.
-  uint32_t q_lo[kKSteps];                         // heads head0 + g
+  uint32_t q_lo[kKSteps];                        // heads head0 + g
   uint32_t q_hi[kHeadTiles == 2 ? kKSteps : 1];  // heads head0 + g + 8
   {
     const uint16_t* q_row = p.q + int64_t(row) * p.n_heads * kHeadDim;
@@ -155,9 +171,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
       for (int m = 0; m < kStepsPerLoad; ++m) {
         const int dim = kKElems * (t + 4 * c) + 2 * m;
         const int step = c * kStepsPerLoad + m;
-        q_lo[step] = lo_ok ? *reinterpret_cast<const uint32_t*>(
-                                 q_row + int64_t(head0 + g) * kHeadDim + dim)
-                           : 0u;
+        q_lo[step] =
+            lo_ok ? *reinterpret_cast<const uint32_t*>(q_row + int64_t(head0 + g) * kHeadDim + dim)
+                  : 0u;
         if constexpr (kHeadTiles == 2) {
           q_hi[step] = hi_ok ? *reinterpret_cast<const uint32_t*>(
                                    q_row + int64_t(head0 + g + 8) * kHeadDim + dim)
@@ -173,73 +189,123 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 #pragma unroll
   for (int h = 0; h < kHeadTiles; ++h) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) o[h][mt][0] = o[h][mt][1] = o[h][mt][2] = o[h][mt][3] = 0.0f;
+    for (int mt = 0; mt < kMTiles; ++mt)
+      o[h][mt][0] = o[h][mt][1] = o[h][mt][2] = o[h][mt][3] = 0.0f;
   }
 
   auto token_ptr = [&](int key, int kv) -> const uint8_t* {
     const int pos = sel != nullptr ? sel[key] : key;
-    const int64_t block = table[pos / p.block_size];
-    const int slot = pos % p.block_size;
+    int64_t block;
+    int slot;
+    if (p.block_shift >= 0) {
+      block = table[pos >> p.block_shift];
+      slot = pos & (p.block_size - 1);
+    } else {
+      block = table[pos / p.block_size];
+      slot = pos % p.block_size;
+    }
     return p.cache + ((block * 2 + kv) * p.block_size + slot) * row_bytes + head_offset;
   };
 
-  for (int tile = k_begin; tile < k_end; tile += kTileTokens) {
-    // Keys past k_end read a valid token (k_begin) and are masked below.
-    const int k_key = tile + g < k_end ? tile + g : k_begin;
-    const int v_key0 = tile + 2 * t < k_end ? tile + 2 * t : k_begin;
-    const int v_key1 = tile + 2 * t + 1 < k_end ? tile + 2 * t + 1 : k_begin;
-    const uint8_t* k_ptr = token_ptr(k_key, 0);
-    const uint8_t* v_ptr0 = token_ptr(v_key0, 1);
-    const uint8_t* v_ptr1 = token_ptr(v_key1, 1);
-
-    uint32_t k_raw[kKLoads][kKWords];
-    uint32_t v_raw0[kVLoads][kVWords];
-    uint32_t v_raw1[kVLoads][kVWords];
+  // Each iteration covers kSub tiles of 8 tokens. All loads of an iteration are issued before
+  // any math, and (kPrefetch) the next iteration's loads are issued before this one's math, so
+  // that two iterations of K/V bytes are in flight per warp.
+  struct Raw {
+    uint32_t k[kSub][kKLoads][kKWords];
+    uint32_t v0[kSub][kVLoads][kVWords];
+    uint32_t v1[kSub][kVLoads][kVWords];
+  };
+  auto load_iteration = [&](int tile, Raw& raw) {
 #pragma unroll
-    for (int c = 0; c < kKLoads; ++c) load_words(k_ptr + kKElems * (t + 4 * c) * kEB, k_raw[c]);
+    for (int sub = 0; sub < kSub; ++sub) {
+      // Keys past k_end read a valid token (k_begin) and are masked below.
+      const int base = tile + kTileTokens * sub;
+      const int k_key = base + g < k_end ? base + g : k_begin;
+      const int v_key0 = base + 2 * t < k_end ? base + 2 * t : k_begin;
+      const int v_key1 = base + 2 * t + 1 < k_end ? base + 2 * t + 1 : k_begin;
+      const uint8_t* k_ptr = token_ptr(k_key, 0);
+      const uint8_t* v_ptr0 = token_ptr(v_key0, 1);
+      const uint8_t* v_ptr1 = token_ptr(v_key1, 1);
 #pragma unroll
-    for (int c = 0; c < kVLoads; ++c) {
-      load_words(v_ptr0 + kVElems * (g + 8 * c) * kEB, v_raw0[c]);
-      load_words(v_ptr1 + kVElems * (g + 8 * c) * kEB, v_raw1[c]);
-    }
-
-    // S = Q . K^T: s[0..1] = heads g (tokens 2t, 2t+1), s[2..3] = heads g + 8.
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int c = 0; c < kKLoads; ++c) {
-      uint32_t b[kStepsPerLoad];
-      if constexpr (kEB == 2) {
-#pragma unroll
-        for (int m = 0; m < kStepsPerLoad; ++m) b[m] = k_raw[c][m];
-      } else {
-#pragma unroll
-        for (int w = 0; w < kKWords; ++w) Elem::Decoder::decode4(k_raw[c][w], b[2 * w], b[2 * w + 1]);
+      for (int c = 0; c < kKLoads; ++c) {
+        load_words(k_ptr + kKElems * (t + 4 * c) * kEB, raw.k[sub][c]);
       }
 #pragma unroll
-      for (int m = 0; m < kStepsPerLoad; ++m) {
-        const int step = c * kStepsPerLoad + m;
-        mma_m16n8k8(s, q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
+      for (int c = 0; c < kVLoads; ++c) {
+        load_words(v_ptr0 + kVElems * (g + 8 * c) * kEB, raw.v0[sub][c]);
+        load_words(v_ptr1 + kVElems * (g + 8 * c) * kEB, raw.v1[sub][c]);
+      }
+    }
+  };
+
+  Raw cur;
+  if constexpr (kPrefetch) {
+    if (k_begin < k_end) load_iteration(k_begin, cur);
+  }
+  for (int tile = k_begin; tile < k_end; tile += kIterTokens) {
+    Raw next;
+    if constexpr (kPrefetch) {
+      if (tile + kIterTokens < k_end) load_iteration(tile + kIterTokens, next);
+    } else {
+      load_iteration(tile, cur);
+    }
+    const auto& k_raw = cur.k;
+    const auto& v_raw0 = cur.v0;
+    const auto& v_raw1 = cur.v1;
+
+    // S = Q . K^T: s[sub][0..1] = heads g (tokens 2t, 2t+1), s[sub][2..3] = heads g + 8.
+    float s[kSub][4];
+#pragma unroll
+    for (int sub = 0; sub < kSub; ++sub) {
+      s[sub][0] = s[sub][1] = s[sub][2] = s[sub][3] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kKLoads; ++c) {
+        uint32_t b[kStepsPerLoad];
+        if constexpr (kEB == 2) {
+#pragma unroll
+          for (int m = 0; m < kStepsPerLoad; ++m) b[m] = k_raw[sub][c][m];
+        } else {
+#pragma unroll
+          for (int w = 0; w < kKWords; ++w) {
+            Elem::Decoder::decode4(k_raw[sub][c][w], b[2 * w], b[2 * w + 1]);
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < kStepsPerLoad; ++m) {
+          const int step = c * kStepsPerLoad + m;
+          mma_m16n8k8(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
+        }
       }
     }
 
-    const bool valid0 = tile + 2 * t < k_end;
-    const bool valid1 = tile + 2 * t + 1 < k_end;
+    // Online softmax over the whole iteration (base 2; scales folded into qk_scale_log2).
     float alpha[2];
-    uint32_t p_frag[2];
+    uint32_t p_frag[kSub][2];
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
-      const float s0 = valid0 ? s[2 * r] * p.qk_scale_log2 : -INFINITY;
-      const float s1 = valid1 ? s[2 * r + 1] * p.qk_scale_log2 : -INFINITY;
-      float tile_max = fmaxf(s0, s1);
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int sub = 0; sub < kSub; ++sub) {
+        const int base = tile + kTileTokens * sub;
+        s[sub][2 * r] = base + 2 * t < k_end ? s[sub][2 * r] * p.qk_scale_log2 : -INFINITY;
+        s[sub][2 * r + 1] =
+            base + 2 * t + 1 < k_end ? s[sub][2 * r + 1] * p.qk_scale_log2 : -INFINITY;
+        tile_max = fmaxf(tile_max, fmaxf(s[sub][2 * r], s[sub][2 * r + 1]));
+      }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
       const float m_new = fmaxf(m_run[r], tile_max);  // finite: token `tile` is valid
       alpha[r] = exp2f(m_run[r] - m_new);
-      const float p0 = exp2f(s0 - m_new);
-      const float p1 = exp2f(s1 - m_new);
-      l_run[r] = l_run[r] * alpha[r] + p0 + p1;
+      float l_add = 0.0f;
+#pragma unroll
+      for (int sub = 0; sub < kSub; ++sub) {
+        const float p0 = exp2f(s[sub][2 * r] - m_new);
+        const float p1 = exp2f(s[sub][2 * r + 1] - m_new);
+        l_add += p0 + p1;
+        p_frag[sub][r] = pack_half2(p0, p1);
+      }
+      l_run[r] = l_run[r] * alpha[r] + l_add;
       m_run[r] = m_new;
-      p_frag[r] = pack_half2(p0, p1);
     }
 
     // O^T columns are heads 2t, 2t+1 (+8 for the second tile); their rescale factors live in the
@@ -260,30 +326,34 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     // O^T += V^T . P^T. M-tile mt takes the thread's dims j = 2mt (row g) and 2mt + 1 (row g + 8)
     // of its list: dim(j) = kVElems * (g + 8 * (j / kVElems)) + j % kVElems.
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      const int c = (2 * mt) / kVElems;
-      const int e = (2 * mt) % kVElems;
-      uint32_t a0;
-      uint32_t a1;
-      if constexpr (kEB == 2) {
-        const uint32_t x = v_raw0[c][e / 2];
-        const uint32_t y = v_raw1[c][e / 2];
-        a0 = __byte_perm(x, y, 0x5410);
-        a1 = __byte_perm(x, y, 0x7632);
-      } else {
-        const uint32_t x = v_raw0[c][e / 4];
-        const uint32_t y = v_raw1[c][e / 4];
-        if (e % 4 == 0) {
-          a0 = Elem::Decoder::template decode_pair<0>(x, y);
-          a1 = Elem::Decoder::template decode_pair<1>(x, y);
-        } else {
-          a0 = Elem::Decoder::template decode_pair<2>(x, y);
-          a1 = Elem::Decoder::template decode_pair<3>(x, y);
-        }
-      }
+    for (int sub = 0; sub < kSub; ++sub) {
 #pragma unroll
-      for (int r = 0; r < kHeadTiles; ++r) mma_m16n8k8(o[r][mt], a0, a1, p_frag[r]);
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        const int c = (2 * mt) / kVElems;
+        const int e = (2 * mt) % kVElems;
+        uint32_t a0;
+        uint32_t a1;
+        if constexpr (kEB == 2) {
+          const uint32_t x = v_raw0[sub][c][e / 2];
+          const uint32_t y = v_raw1[sub][c][e / 2];
+          a0 = __byte_perm(x, y, 0x5410);
+          a1 = __byte_perm(x, y, 0x7632);
+        } else {
+          const uint32_t x = v_raw0[sub][c][e / 4];
+          const uint32_t y = v_raw1[sub][c][e / 4];
+          if (e % 4 == 0) {
+            a0 = Elem::Decoder::template decode_pair<0>(x, y);
+            a1 = Elem::Decoder::template decode_pair<1>(x, y);
+          } else {
+            a0 = Elem::Decoder::template decode_pair<2>(x, y);
+            a1 = Elem::Decoder::template decode_pair<3>(x, y);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kHeadTiles; ++r) mma_m16n8k8(o[r][mt], a0, a1, p_frag[sub][r]);
+      }
     }
+    if constexpr (kPrefetch) cur = next;
   }
 
   // Row sums live spread over the four threads of a group.
@@ -418,8 +488,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   const KvCacheGeometry& geo = params.cache.geometry;
   const int64_t n_rows = params.rows.n_rows;
   if (geo.head_dim != 64 && geo.head_dim != 128 && geo.head_dim != 256) {
-    return Status::error(cat("decode attention: head_dim ", geo.head_dim,
-                             " is not supported (64, 128 or 256)"));
+    return Status::error(
+        cat("decode attention: head_dim ", geo.head_dim, " is not supported (64, 128 or 256)"));
   }
   if (geo.n_kv_heads <= 0 || params.n_heads % geo.n_kv_heads != 0 ||
       params.n_heads / geo.n_kv_heads > 16) {
@@ -427,8 +497,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
                              " is not supported (a whole group of at most 16)"));
   }
   if (geo.block_size <= 0 || geo.block_size % 8 != 0) {
-    return Status::error(cat("decode attention: block_size ", geo.block_size,
-                             " is not a multiple of 8"));
+    return Status::error(
+        cat("decode attention: block_size ", geo.block_size, " is not a multiple of 8"));
   }
   if (plan.keys_per_split <= 0 || plan.keys_per_split % kTileTokens != 0 || plan.n_splits <= 0 ||
       plan.n_splits % kWarpsPerCta != 0) {
@@ -441,14 +511,17 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   if (n_rows == 0) return Status();
   const int group = int(params.n_heads / geo.n_kv_heads);
   const bool e4m3 = geo.dtype == KvCacheDtype::kE4m3;
-  const float factor = !e4m3 ? 1.0f
-                       : native_e4m3
-                           ? E4m3Decoder<E4m3Decode::kNative>::kValueFactor
-                           : E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
+  const float factor = !e4m3         ? 1.0f
+                       : native_e4m3 ? E4m3Decoder<E4m3Decode::kNative>::kValueFactor
+                                     : E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
 
   DecodeKernelParams kp{};
   kp.cache = static_cast<const uint8_t*>(params.cache.data);
   kp.block_size = int32_t(geo.block_size);
+  kp.block_shift = -1;
+  for (int shift = 0; shift < 31; ++shift) {
+    if ((int64_t(1) << shift) == geo.block_size) kp.block_shift = shift;
+  }
   kp.n_kv_heads = int32_t(geo.n_kv_heads);
   kp.block_table = params.block_table.blocks;
   kp.max_blocks_per_seq = params.block_table.max_blocks_per_seq;
@@ -474,8 +547,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
     launch_for_dim<ElemE4m3<E4m3Decode::kNative>>(geo.head_dim, kp, n_rows, geo.n_kv_heads, group,
                                                   stream);
   } else {
-    launch_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(geo.head_dim, kp, n_rows, geo.n_kv_heads,
-                                                    group, stream);
+    launch_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(geo.head_dim, kp, n_rows, geo.n_kv_heads, group,
+                                                    stream);
   }
 
   MergeKernelParams mp{};
