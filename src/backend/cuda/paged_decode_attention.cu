@@ -392,25 +392,58 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   }
 }
 
-// One CTA per (row, head), one thread per dim.
-__global__ void decode_attention_merge_kernel(const __grid_constant__ MergeKernelParams p) {
+// One CTA per (row, head, 32-dim chunk) with kMergeWarps warps: warp w merges the splits
+// s = w (mod kMergeWarps), one lane per dim, then the warps combine through shared memory. A row
+// cut into hundreds of splits (one long sequence) is merged by many CTAs with many loads in flight.
+constexpr int kMergeWarps = 8;
+
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    decode_attention_merge_kernel(const __grid_constant__ MergeKernelParams p, int head_dim) {
+  __shared__ float warp_max[kMergeWarps];
+  __shared__ float warp_l[kMergeWarps];
+  __shared__ float warp_acc[kMergeWarps][32];
   const int row = blockIdx.x;
   const int head = blockIdx.y;
-  const int dim = threadIdx.x;
-  const int head_dim = blockDim.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int dim = blockIdx.z * 32 + lane;
   const int64_t base = int64_t(row) * p.n_splits;
+  auto m_at = [&](int s) { return p.m[(base + s) * p.n_heads + head]; };
+
+  // The largest split maximum.
   float m_max = -INFINITY;
-  for (int s = 0; s < p.n_splits; ++s) m_max = fmaxf(m_max, p.m[(base + s) * p.n_heads + head]);
-  float l_sum = 0.0f;
+  for (int s = threadIdx.x; s < p.n_splits; s += kMergeWarps * 32) m_max = fmaxf(m_max, m_at(s));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    m_max = fmaxf(m_max, __shfl_xor_sync(kFullMask, m_max, offset));
+  }
+  if (lane == 0) warp_max[warp] = m_max;
+  __syncthreads();
+  m_max = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kMergeWarps; ++w) m_max = fmaxf(m_max, warp_max[w]);
+
   float acc = 0.0f;
+  float l_sum = 0.0f;
   if (m_max != -INFINITY) {
-    for (int s = 0; s < p.n_splits; ++s) {
-      const float m = p.m[(base + s) * p.n_heads + head];
-      if (m == -INFINITY) continue;
-      const float w = exp2f(m - m_max);
+#pragma unroll 4
+    for (int s = warp; s < p.n_splits; s += kMergeWarps) {
+      const float m = m_at(s);
+      const float w = m == -INFINITY ? 0.0f : exp2f(m - m_max);
       l_sum += w * p.l[(base + s) * p.n_heads + head];
       acc += w * p.acc[((base + s) * p.n_heads + head) * head_dim + dim];
     }
+  }
+  warp_acc[warp][lane] = acc;
+  if (lane == 0) warp_l[warp] = l_sum;
+  __syncthreads();
+  if (warp != 0) return;
+  acc = 0.0f;
+  l_sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kMergeWarps; ++w) {
+    acc += warp_acc[w][lane];
+    l_sum += warp_l[w];
   }
   const int64_t out_index = (int64_t(row) * p.n_heads + head) * head_dim + dim;
   float out = l_sum > 0.0f ? acc * p.out_scale / l_sum : 0.0f;
@@ -560,8 +593,9 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   mp.gate = params.gate;
   mp.out_scale = params.cache.v_scale * factor;
   mp.out = params.out;
-  decode_attention_merge_kernel<<<dim3(unsigned(n_rows), unsigned(params.n_heads)),
-                                  dim3(unsigned(geo.head_dim)), 0, stream>>>(mp);
+  decode_attention_merge_kernel<<<dim3(unsigned(n_rows), unsigned(params.n_heads),
+                                       unsigned(geo.head_dim / 32)),
+                                  dim3(kMergeWarps * 32), 0, stream>>>(mp, int(geo.head_dim));
   E4KV_CUDA_CHECK_LAUNCH();
   return Status();
 }
