@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "io/checkpoint.h"
+#include "kv/scale_gate.h"
 #include "kv/scale_keys.h"
 
 namespace e4kv::cli {
@@ -348,12 +349,21 @@ void print_text(const ordered_json& r) {
     line("  conflict", cat("layer ", entry["layer"].get<int64_t>(), " ",
                            entry["tensor"].get<std::string>(), ": ", entry["keys"].dump()));
   }
+  const ordered_json& gate = r["fp8_e4m3_startup"];
+  line("fp8 start-up",
+       cat(gate["ok"].get<bool>() ? "ok: " : "refused: ", gate["message"].get<std::string>()));
   std::fputs(out.c_str(), stdout);
 }
 
 Status run_inspect(const InspectArgs& args) {
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(args.model_dir));
-  const ordered_json report = build_report(ckpt);
+  ordered_json report = build_report(ckpt);
+  // What engine start-up with --kv-cache-dtype fp8_e4m3 would say: the same gate, the first line of
+  // its message when it refuses ("loaded N/M ...").
+  const Result<KvScales> gate = load_kv_scales(ckpt, KvCacheDtype::kE4m3);
+  std::string gate_message = gate.ok() ? gate->summary : gate.message();
+  if (!gate.ok()) gate_message = gate_message.substr(0, gate_message.find('\n'));
+  report["fp8_e4m3_startup"] = ordered_json{{"ok", gate.ok()}, {"message", gate_message}};
   if (args.json) {
     const std::string text =
         report.dump(2, ' ', false, ordered_json::error_handler_t::replace) + "\n";

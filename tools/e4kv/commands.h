@@ -11,5 +11,9 @@ namespace e4kv::cli {
 void add_inspect_command(CLI::App& app, Status& result);
 void add_synth_command(CLI::App& app, Status& result);
 void add_capacity_command(CLI::App& app, Status& result);
+void add_synth_stats_command(CLI::App& app, Status& result);
+void add_summarize_command(CLI::App& app, Status& result);
+void add_overlay_command(CLI::App& app, Status& result);
+void add_verify_command(CLI::App& app, Status& result);
 
 }  // namespace e4kv::cli

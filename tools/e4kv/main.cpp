@@ -15,6 +15,10 @@ int main(int argc, char** argv) {
   e4kv::cli::add_inspect_command(app, result);
   e4kv::cli::add_synth_command(app, result);
   e4kv::cli::add_capacity_command(app, result);
+  e4kv::cli::add_synth_stats_command(app, result);
+  e4kv::cli::add_summarize_command(app, result);
+  e4kv::cli::add_overlay_command(app, result);
+  e4kv::cli::add_verify_command(app, result);
 
   try {
     app.parse(argc, argv);
@@ -25,7 +29,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    // A bad command line: one line naming the flag, exit code 2 (as usage errors conventionally do).
+    // A bad command line: one line naming the flag, exit code 2 (as usage errors conventionally
+    // do).
     std::fprintf(stderr, "e4kv: error: %s (run 'e4kv --help' for usage)\n", e.what());
     return 2;
   } catch (const std::exception& e) {

@@ -1,0 +1,275 @@
+#include "calib/scales_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kv/scale_keys.h"
+
+namespace e4kv {
+namespace {
+
+using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
+
+std::string parse_error_text(const Json::parse_error& e) {
+  std::string text = e.what();
+  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
+  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
+  return text;
+}
+
+// The double whose shortest decimal form reads back as `value` both as a double and (through a
+// double, as JSON readers do) as an fp32: the shortest fp32 digits when that round trip is exact,
+// else the exact widening of `value`.
+double json_number_for(float value) {
+  char text[64];
+  auto [end, ec] = std::to_chars(text, text + sizeof(text) - 1, value);
+  if (ec == std::errc()) {
+    *end = '\0';
+    const double shortest = std::strtod(text, nullptr);
+    if (static_cast<float>(shortest) == value) return shortest;
+  }
+  return static_cast<double>(value);
+}
+
+// (prefix, layer, K before V) order for writing; keys that do not parse sort last by name.
+bool scale_key_less(const std::string& a, const std::string& b) {
+  std::optional<ScaleKey> ka = parse_scale_key(a);
+  std::optional<ScaleKey> kb = parse_scale_key(b);
+  if (!ka || !kb) return std::make_tuple(!ka, a) < std::make_tuple(!kb, b);
+  return std::make_tuple(ka->prefix, ka->layer, ka->tensor == KvTensor::kV, a) <
+         std::make_tuple(kb->prefix, kb->layer, kb->tensor == KvTensor::kV, b);
+}
+
+Status check_scale_value(const std::string& source, const std::string& key, float value) {
+  if (!std::isfinite(value)) {
+    return Status::error(cat(source, ": scale \"", key, "\" is not finite (", value,
+                             "); every scale must be a finite fp32 > 0"));
+  }
+  if (!(value > 0.0f)) {
+    return Status::error(
+        cat(source, ": scale \"", key, "\" = ", value, " is not > 0; every scale must be > 0"));
+  }
+  return ok_status();
+}
+
+std::string errno_text(int error) {
+  return std::strerror(error);
+}
+
+}  // namespace
+
+Result<ScalesFile> parse_scales_file(std::string_view json_text, const std::string& source) {
+  // nlohmann keeps only the last of duplicate keys; the callback sees every key so a repeated one
+  // is an error instead of a silently dropped scale.
+  std::vector<std::set<std::string>> open_objects;
+  std::optional<std::string> duplicate_key;
+  auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (!open_objects.back().insert(key).second && !duplicate_key) duplicate_key = key;
+    }
+    return true;
+  };
+  Json root;
+  try {
+    root = Json::parse(json_text.begin(), json_text.end(), callback);
+  } catch (const Json::parse_error& e) {
+    return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
+  } catch (const Json::exception& e) {
+    // e.g. out_of_range.406 "number overflow parsing '1e999'"
+    std::string text = e.what();
+    if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
+    return Status::error(cat(source, ": invalid JSON: ", text));
+  }
+  if (duplicate_key) {
+    return Status::error(cat(source, ": key \"", *duplicate_key,
+                             "\" appears twice in one object; keep exactly one"));
+  }
+  if (!root.is_object()) {
+    return Status::error(cat(
+        source, ": expected a JSON object with \"format\" and \"scales\", got ", root.type_name()));
+  }
+  auto format = root.find("format");
+  if (format == root.end()) {
+    return Status::error(
+        cat(source, ": required field \"format\" is missing; expected \"", kScalesFormat, "\""));
+  }
+  if (!format->is_string() || format->get<std::string>() != kScalesFormat) {
+    return Status::error(cat(source, ": \"format\" is ", format->dump(), "; expected \"",
+                             kScalesFormat, "\" (a file written by e4kv summarize)"));
+  }
+
+  ScalesFile file;
+  auto policy = root.find("policy");
+  if (policy != root.end() && !policy->is_null()) {
+    if (!policy->is_string()) {
+      return Status::error(cat(source, ": \"policy\" must be a string, got ", policy->type_name()));
+    }
+    file.policy = policy->get<std::string>();
+  }
+  auto src = root.find("source");
+  if (src != root.end() && !src->is_null()) {
+    if (!src->is_object()) {
+      return Status::error(cat(source, ": \"source\" must be an object, got ", src->type_name()));
+    }
+    file.source_json = src->dump();
+  }
+
+  auto scales = root.find("scales");
+  if (scales == root.end())
+    return Status::error(cat(source, ": required field \"scales\" is missing"));
+  if (!scales->is_object()) {
+    return Status::error(cat(source,
+                             ": \"scales\" must be an object mapping scale keys to numbers, got ",
+                             scales->type_name()));
+  }
+  if (scales->empty()) return Status::error(cat(source, ": \"scales\" is empty"));
+  std::map<std::string, std::string> spelled;  // canonical key -> key as written
+  for (const auto& [key, value] : scales->items()) {
+    std::optional<ScaleKey> parsed = parse_scale_key(key);
+    if (!parsed) {
+      return Status::error(cat(source, ": \"", key,
+                               "\" is not a K/V scale key; expected "
+                               "<prefix>.layers.<i>.self_attn.k_scale or .v_scale"));
+    }
+    if (!value.is_number()) {
+      return Status::error(
+          cat(source, ": scale \"", key, "\" must be a number, got ", value.type_name()));
+    }
+    const double wide = value.get<double>();
+    const float narrow = static_cast<float>(wide);
+    if (std::isfinite(wide) && !std::isfinite(narrow)) {
+      return Status::error(cat(source, ": scale \"", key, "\" = ", wide, " overflows fp32"));
+    }
+    if (wide > 0.0 && narrow == 0.0f) {
+      return Status::error(cat(source, ": scale \"", key, "\" = ", wide, " underflows fp32 to 0"));
+    }
+    E4KV_RETURN_IF_ERROR(check_scale_value(source, key, narrow));
+    const std::string canonical =
+        canonical_scale_key(parsed->prefix, parsed->layer, parsed->tensor);
+    auto [it, inserted] = spelled.emplace(canonical, key);
+    if (!inserted) {
+      return Status::error(cat(source, ": \"", it->second, "\" and \"", key,
+                               "\" both set the scale ", canonical, "; keep exactly one"));
+    }
+    file.scales[canonical] = narrow;
+  }
+  return file;
+}
+
+Result<ScalesFile> read_scales_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return Status::error(cat(path.string(),
+                             ": scales file not found (or not a regular file); make one with e4kv "
+                             "summarize STATS... --out scales.json"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::error(cat(path.string(), ": read failed"));
+  return parse_scales_file(text.str(), path.string());
+}
+
+Status write_scales_file(const std::filesystem::path& path, const ScalesFile& file) {
+  const std::string target = path.string();
+  if (!path.has_filename()) return Status::error(cat(target, ": the path names no file"));
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : file.scales) {
+    std::optional<ScaleKey> parsed = parse_scale_key(key);
+    if (!parsed || !parsed->canonical) {
+      return Status::error(cat(target, ": cannot write \"", key,
+                               "\": scales.json keys must be canonical "
+                               "<prefix>.layers.<i>.self_attn.{k,v}_scale keys"));
+    }
+    E4KV_RETURN_IF_ERROR(check_scale_value(target, key, value));
+    keys.push_back(key);
+  }
+  std::sort(keys.begin(), keys.end(), scale_key_less);
+
+  OrderedJson source_object;
+  try {
+    source_object = OrderedJson::parse(file.source_json.empty() ? "{}" : file.source_json);
+  } catch (const OrderedJson::parse_error& e) {
+    return Status::error(
+        cat(target, ": cannot write: the source object is not valid JSON: ", parse_error_text(e)));
+  }
+  if (!source_object.is_object()) {
+    return Status::error(cat(target, ": cannot write: the source must be a JSON object, got ",
+                             source_object.type_name()));
+  }
+  OrderedJson root;
+  root["format"] = kScalesFormat;
+  root["policy"] = file.policy;
+  OrderedJson scales = OrderedJson::object();
+  for (const std::string& key : keys) scales[key] = json_number_for(file.scales.at(key));
+  root["scales"] = std::move(scales);
+  root["source"] = std::move(source_object);
+  const std::string text = root.dump(2) + "\n";
+
+  static std::atomic<uint64_t> counter{0};
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+  const std::filesystem::path temp =
+      dir / cat(".", path.filename().string(), ".tmp.", ::getpid(), ".", counter.fetch_add(1));
+  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    return Status::error(
+        cat(target, ": cannot create the temporary file ", temp.string(), ": ", errno_text(errno)));
+  }
+  auto fail = [&](std::string message) {
+    ::close(fd);
+    ::unlink(temp.c_str());
+    return Status::error(std::move(message));
+  };
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return fail(cat(temp.string(), ": write failed: ", errno_text(errno)));
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) return fail(cat(temp.string(), ": cannot sync: ", errno_text(errno)));
+  if (::close(fd) != 0) {
+    ::unlink(temp.c_str());
+    return Status::error(cat(temp.string(), ": close failed: ", errno_text(errno)));
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temp.c_str());
+    return Status::error(
+        cat(target, ": cannot move ", temp.string(), " into place: ", errno_text(error)));
+  }
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0)
+    return Status::error(cat(dir.string(), ": cannot open to sync: ", errno_text(errno)));
+  const int synced = ::fsync(dir_fd);
+  const int sync_error = errno;
+  ::close(dir_fd);
+  if (synced != 0)
+    return Status::error(cat(dir.string(), ": cannot sync: ", errno_text(sync_error)));
+  return ok_status();
+}
+
+}  // namespace e4kv

@@ -1,0 +1,111 @@
+// e4kv summarize STATS... --policy absmax|p99.9|p99.99 [--envelope OLD] --out scales.json
+//   --report DIR: merges calibration statistics (one file per shard and process) into one fp32
+// K/V scale per KV-cache layer, writes scales.json (the input of `e4kv overlay`) and a report
+// (report.json, report.md, report.svg). Conventions: calib/summarize.h.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "calib/kv_stats.h"
+#include "calib/report.h"
+#include "calib/scales_file.h"
+#include "calib/summarize.h"
+#include "commands.h"
+#include "core/sha256.h"
+
+namespace e4kv::cli {
+namespace {
+
+struct SummarizeArgs {
+  std::vector<std::string> stats;
+  std::string policy = "absmax";
+  std::string envelope;
+  std::string out;
+  std::string report_dir;
+};
+
+Result<std::string> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(cat(path, ": cannot open the statistics file"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::error(cat(path, ": read error"));
+  return text.str();
+}
+
+Status run_summarize(const SummarizeArgs& args) {
+  SummarizeOptions options;
+  E4KV_ASSIGN_OR_RETURN(options.policy, parse_scale_policy(args.policy));
+  std::vector<SummaryInput> inputs;
+  for (const std::string& path : args.stats) {
+    E4KV_ASSIGN_OR_RETURN(const std::string text, read_bytes(path));
+    E4KV_ASSIGN_OR_RETURN(KvStats stats, parse_kv_stats(text, path));
+    inputs.push_back({path, sha256_hex(text), std::move(stats)});
+  }
+  if (!args.envelope.empty()) {
+    E4KV_ASSIGN_OR_RETURN(options.envelope, read_scales_file(args.envelope));
+    E4KV_ASSIGN_OR_RETURN(options.envelope_sha256, sha256_file(args.envelope));
+    options.envelope_path = args.envelope;
+  }
+  E4KV_ASSIGN_OR_RETURN(const Summary summary, summarize(std::move(inputs), options));
+  E4KV_RETURN_IF_ERROR(write_report(args.report_dir, summary));
+  // scales.json last: it is only there when everything before it worked.
+  E4KV_RETURN_IF_ERROR(write_scales_file(args.out, summary_scales_file(summary)));
+
+  const SummaryTotals& totals = summary.totals;
+  std::printf("%zu K/V scales (%s%s) from %zu statistics file%s, %lld tokens, %zu shard%s%s\n",
+              summary.tensors.size(), std::string(scale_policy_name(summary.policy)).c_str(),
+              summary.envelope_path ? " + envelope" : "", summary.inputs.size(),
+              summary.inputs.size() == 1 ? "" : "s", static_cast<long long>(summary.tokens),
+              summary.shards.size(), summary.shards.size() == 1 ? "" : "s",
+              summary.source != "observed" ? " [SYNTHETIC statistics]" : "");
+  std::printf("scales %.9g .. %.9g, saturation %lld of %lld values\n", double(totals.min_scale),
+              double(totals.max_scale), static_cast<long long>(totals.saturated),
+              static_cast<long long>(totals.count));
+  std::printf(
+      "non-zero values below 2^-9: %.4f%% at scale 1.0, %.4f%% at the calibrated scales; in "
+      "[2^-9, 2^-6): %.4f%% -> %.4f%%\n",
+      100.0 * totals.at_unit.below_min_subnormal, 100.0 * totals.at_scale.below_min_subnormal,
+      100.0 * totals.at_unit.subnormal, 100.0 * totals.at_scale.subnormal);
+  if (totals.non_finite > 0) {
+    std::printf("warning: %lld non-finite values were observed (not part of the scales)\n",
+                static_cast<long long>(totals.non_finite));
+  }
+  std::printf("wrote %s and %s/report.{json,md,svg}\n", args.out.c_str(), args.report_dir.c_str());
+  return ok_status();
+}
+
+Status one_line(Status status) {
+  if (status.ok()) return status;
+  std::string message = status.message();
+  for (char& c : message) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return Status::error(message);
+}
+
+}  // namespace
+
+void add_summarize_command(CLI::App& app, Status& result) {
+  CLI::App* cmd = app.add_subcommand(
+      "summarize", "Turn K/V calibration statistics into scales.json and a report");
+  auto args = std::make_shared<SummarizeArgs>();
+  cmd->add_option("STATS", args->stats, "Statistics files (JSON lines), one per shard/process")
+      ->required();
+  cmd->add_option("--policy", args->policy,
+                  "absmax (no observed value saturates), p99.9 or p99.99 (the percentile maps "
+                  "to 448; the report gives the predicted saturation)")
+      ->capture_default_str();
+  cmd->add_option("--envelope", args->envelope,
+                  "An earlier scales.json: each scale becomes max(new, old)");
+  cmd->add_option("--out", args->out, "scales.json to write")->required();
+  cmd->add_option("--report", args->report_dir,
+                  "Directory for report.json, report.md and report.svg (created if needed)")
+      ->required();
+  cmd->callback([args, &result] { result = one_line(run_summarize(*args)); });
+}
+
+}  // namespace e4kv::cli
