@@ -18,78 +18,19 @@
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "testing/cli.h"
 #include "testing/synth_checkpoint.h"
 
 namespace e4kv {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_support::read_text;
+using testing_support::run_cli;
+using testing_support::RunResult;
+using testing_support::TempDir;
+using testing_support::write_text;
 using json = nlohmann::json;
-
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / cat("e4kv_cli_", info->test_suite_name(), "_", info->name(),
-                                            "_", ::getpid(), "_", counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-
-std::string quote(const std::string& arg) {
-  std::string out = "'";
-  for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-struct RunResult {
-  bool exited = false;  // false: killed by a signal (or system() failed)
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs `e4kv args...` with stdout and stderr captured in files under `scratch`.
-RunResult run_cli(const fs::path& scratch, const std::vector<std::string>& args) {
-  const fs::path out_path = scratch / "stdout.txt";
-  const fs::path err_path = scratch / "stderr.txt";
-  std::string command = quote(E4KV_CLI_PATH);
-  for (const std::string& arg : args) command += " " + quote(arg);
-  command += " >" + quote(out_path.string()) + " 2>" + quote(err_path.string());
-  const int status = std::system(command.c_str());
-  RunResult result;
-  result.exited = status != -1 && WIFEXITED(status);
-  result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
-  result.out = read_text(out_path);
-  result.err = read_text(err_path);
-  fs::remove(out_path);
-  fs::remove(err_path);
-  return result;
-}
 
 // Exit code exactly 1 (not a signal: a shell reports those as 128 + n), nothing on stdout, and
 // exactly one line on stderr starting with "e4kv: error:".

@@ -13,48 +13,19 @@
 #include <nlohmann/json.hpp>
 
 #include "kv/scale_keys.h"
+#include "testing/files.h"
 #include "testing/synth_checkpoint.h"
 
 namespace e4kv {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_support::read_text;
+using testing_support::TempDir;
+using testing_support::write_text;
 using json = nlohmann::json;
 
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / cat("e4kv_ckpt_", info->test_suite_name(), "_",
-                                            info->name(), "_", ::getpid(), "_", counter++);
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
 
 SynthCheckpointOptions sharded_qwen() {
   SynthCheckpointOptions options;
