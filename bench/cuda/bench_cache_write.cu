@@ -1,0 +1,206 @@
+// Cache write benchmark: FP16 K/V rows into the paged cache as FP16 or E4M3, with and without fused
+// statistics, for batches of 1 to 65536 tokens over shuffled slots, plus the device-to-device copy
+// bandwidth as the ceiling. Prints a table and writes JSON (argv[1], default cache_write.json).
+// Bytes moved = FP16 K and V read + cache bytes written; times: see time_ms.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cache_write.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+
+namespace {
+
+using namespace e4kv;
+using namespace e4kv::cuda;
+
+struct Shape {
+  const char* name;
+  int n_kv_heads;
+  int head_dim;
+};
+
+// Finite FP16 values of modest magnitude (exponents 2^-5 .. 2^0), both signs.
+__global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    data[i] = uint16_t((x & 0x83FFu) | ((10u + (x >> 16) % 6) << 10));
+  }
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median over 7 samples of (time of 10 back-to-back launches) / 10: the GPU stays busy, so host
+// launch overhead overlaps with device work as it does in a serving loop.
+template <class F>
+float time_ms(F&& launch) {
+  constexpr int kSamples = 7;
+  constexpr int kLaunches = 10;
+  cudaEvent_t start, stop;
+  E4KV_CUDA_CHECK(cudaEventCreate(&start));
+  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < kSamples; ++i) {
+    E4KV_CUDA_CHECK(cudaEventRecord(start));
+    for (int j = 0; j < kLaunches; ++j) launch();
+    E4KV_CUDA_CHECK(cudaEventRecord(stop));
+    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / kLaunches);
+  }
+  E4KV_CUDA_CHECK(cudaEventDestroy(start));
+  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
+  return median(times);
+}
+
+double copy_bandwidth_tbs() {
+  const size_t bytes = size_t(2) << 30;
+  void* a = nullptr;
+  void* b = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&a, bytes));
+  E4KV_CUDA_CHECK(cudaMalloc(&b, bytes));
+  E4KV_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  const float ms =
+      time_ms([&] { E4KV_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+  E4KV_CUDA_CHECK(cudaFree(a));
+  E4KV_CUDA_CHECK(cudaFree(b));
+  return 2.0 * double(bytes) / (ms * 1e-3) / 1e12;
+}
+
+struct Measurement {
+  std::string shape;
+  std::string kv;
+  bool stats;
+  int64_t tokens;
+  double ms;
+  double bytes;
+  double tbs;
+};
+
+Measurement run(const Shape& s, int64_t tokens, KvCacheDtype dtype, bool stats,
+                CacheWriteStatsBuffer& stats_buffer) {
+  constexpr int kBlock = 64;
+  const int64_t row = int64_t(s.n_kv_heads) * s.head_dim;
+  const int64_t n_blocks = (tokens + kBlock - 1) / kBlock;
+  const KvCacheGeometry geo{n_blocks, kBlock, s.n_kv_heads, s.head_dim, dtype};
+  const size_t kv_bytes = size_t(tokens * row) * 2;  // one of K, V
+  const size_t copy_bytes = 2 * kv_bytes + geo.total_bytes();
+  // Inputs and caches smaller than 256 MB are replicated and rotated so that repeated launches
+  // move data through HBM, not the 60 MB L2.
+  const int n_copies = int(std::clamp<size_t>((size_t(256) << 20) / copy_bytes, 1, 256));
+  uint16_t* k = nullptr;
+  uint16_t* v = nullptr;
+  uint8_t* cache = nullptr;
+  int64_t* slots = nullptr;
+  unsigned long long* non_finite = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&k, kv_bytes * n_copies));
+  E4KV_CUDA_CHECK(cudaMalloc(&v, kv_bytes * n_copies));
+  E4KV_CUDA_CHECK(cudaMalloc(&cache, geo.total_bytes() * n_copies));
+  E4KV_CUDA_CHECK(cudaMalloc(&slots, size_t(tokens) * sizeof(int64_t)));
+  E4KV_CUDA_CHECK(cudaMalloc(&non_finite, 2 * sizeof(unsigned long long)));
+  E4KV_CUDA_CHECK(cudaMemset(non_finite, 0, 2 * sizeof(unsigned long long)));
+  fill_f16_kernel<<<4096, 256>>>(k, kv_bytes / 2 * n_copies, 12345u);
+  E4KV_CUDA_CHECK_LAUNCH();
+  fill_f16_kernel<<<4096, 256>>>(v, kv_bytes / 2 * n_copies, 777u);
+  E4KV_CUDA_CHECK_LAUNCH();
+  E4KV_CUDA_CHECK(cudaMemset(cache, 0, geo.total_bytes() * n_copies));
+
+  // Decode-like scatter: a shuffled permutation of the cache's slots.
+  std::mt19937 rng(7);
+  std::vector<int64_t> host_slots(size_t(n_blocks * kBlock));
+  std::iota(host_slots.begin(), host_slots.end(), 0);
+  std::shuffle(host_slots.begin(), host_slots.end(), rng);
+  E4KV_CUDA_CHECK(cudaMemcpy(slots, host_slots.data(), size_t(tokens) * sizeof(int64_t),
+                             cudaMemcpyHostToDevice));
+
+  const CacheWriteStatsView view = stats_buffer.view();
+  int next_copy = 0;
+  const float ms = time_ms([&] {
+    const KvCacheView c{cache + geo.total_bytes() * next_copy, geo, 0.01f, 0.02f};
+    const size_t offset = kv_bytes / 2 * next_copy;
+    next_copy = (next_copy + 1) % n_copies;
+    const Status st = cache_write(c, k + offset, v + offset, slots, tokens, non_finite,
+                                  stats ? &view : nullptr, nullptr);
+    if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
+  });
+  E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+  for (void* ptr : {(void*)k, (void*)v, (void*)cache, (void*)slots, (void*)non_finite}) {
+    E4KV_CUDA_CHECK(cudaFree(ptr));
+  }
+  const double bytes = double(tokens) * double(row) * 2.0 * (2.0 + double(geo.elem_bytes()));
+  return Measurement{s.name,
+                     dtype == KvCacheDtype::kF16 ? "fp16" : "e4m3",
+                     stats,
+                     tokens,
+                     ms,
+                     bytes,
+                     bytes / (ms * 1e-3) / 1e12};
+}
+
+}  // namespace
+
+// Usage: e4kv_bench_cache_write [OUT.json [SHAPE_FILTER [KV_FILTER]]] (filters are substrings).
+int main(int argc, char** argv) {
+  const char* json_path = argc > 1 ? argv[1] : "cache_write.json";
+  const std::string shape_filter = argc > 2 ? argv[2] : "";
+  const std::string kv_filter = argc > 3 ? argv[3] : "";
+  if (device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  const double copy_tbs = copy_bandwidth_tbs();
+  std::printf("device copy bandwidth (read+write): %.3f TB/s\n", copy_tbs);
+
+  const std::vector<Shape> shapes = {{"kv8_d128", 8, 128}, {"kv2_d256", 2, 256}};
+  CacheWriteStatsBuffer stats_buffer;
+  std::vector<Measurement> results;
+  std::printf("%-10s %-5s %-6s %7s %10s %10s %9s %8s\n", "shape", "kv", "stats", "tokens",
+              "time_us", "MB_moved", "TB/s", "vs_copy");
+  for (const Shape& s : shapes) {
+    if (std::string(s.name).find(shape_filter) == std::string::npos) continue;
+    for (KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+      const std::string kv = dtype == KvCacheDtype::kF16 ? "fp16" : "e4m3";
+      if (kv.find(kv_filter) == std::string::npos) continue;
+      for (bool stats : {false, true}) {
+        for (int64_t tokens : {1, 64, 4096, 65536}) {
+          const Measurement m = run(s, tokens, dtype, stats, stats_buffer);
+          std::printf("%-10s %-5s %-6s %7lld %10.2f %10.2f %9.3f %7.1f%%\n", m.shape.c_str(),
+                      m.kv.c_str(), m.stats ? "yes" : "no", static_cast<long long>(m.tokens),
+                      m.ms * 1e3, m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs);
+          results.push_back(m);
+        }
+      }
+    }
+  }
+  FILE* f = std::fopen(json_path, "w");
+  if (f == nullptr) return 1;
+  std::fprintf(f, "{\"copy_tbs\": %.4f, \"results\": [\n", copy_tbs);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Measurement& m = results[i];
+    std::fprintf(f,
+                 "  {\"shape\": \"%s\", \"kv\": \"%s\", \"stats\": %s, \"tokens\": %lld, \"ms\": "
+                 "%.5f, \"bytes\": %.0f, \"tbs\": %.4f}%s\n",
+                 m.shape.c_str(), m.kv.c_str(), m.stats ? "true" : "false",
+                 static_cast<long long>(m.tokens), m.ms, m.bytes, m.tbs,
+                 i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "]}\n");
+  std::fclose(f);
+  return 0;
+}

@@ -1,0 +1,413 @@
+// Main KV cache write: FP16 K/V rows into the paged cache as FP16 or E4M3, with inf/NaN counts
+// and optional fused calibration statistics (DESIGN.md sections 2, 3 and 6). The CPU reference
+// backend/cpu/cache_write.cpp is the oracle; the cache bytes and counts are identical.
+//
+// Work: one warp per (token, K|V) row; gridDim.y = 2 (K, V), 8 warps per CTA, a grid-stride loop
+// over tokens. Each lane moves 16 contiguous elements per step: two 16-byte loads, then one
+// 16-byte store (E4M3) or two (FP16). A slot of -1 skips the token (the whole warp).
+//
+// E4M3 encode, exact for finite x without the general codec's branches:
+//   a = min(|x| / scale, 448)   the IEEE division (__fdiv_rn) of e4m3_encode; scale > 0, so
+//                               |x| / scale = |x / scale|; an overflow to inf clamps to 448, which
+//                               is the codec's saturation
+//   a >= 2^-6: code = (bits(a) + 0x7FFFF + lsb - 0x3C000000) >> 20   the codec's own RNE
+//   a <  2^-6: code = bits(a + 2^14) - bits(2^14): the fp32 add rounds a to a multiple of 2^-9
+//              (the ulp of [2^14, 2^15)) half to even, which is the codec's subnormal rounding
+//   sign: the FP16 sign bit (x / scale keeps the sign of x, zeros and underflow included).
+// min() would turn NaN into 448, so a chunk holding any inf/NaN (found with one x * 0 + acc HFMA2
+// per two elements: NaN for inf/NaN, +-0 otherwise) takes the reference e4m3_encode instead and
+// counts its non-finite elements; the engine treats any as an error, so that path is cold.
+// The division stays: multiplying by 1/scale is not exact for every scale.
+//
+// Statistics (optional): per element one read of the FP16 -> slot table (64 KB, L1-resident;
+// built from kv_hist_bin_f16) and a shared-memory atomic in the warp's own histogram; CTAs loop
+// over tokens (2 CTAs per SM and tensor) and add their histograms to the global counters once.
+//
+// Limits: n_kv_heads * head_dim a multiple of 16; 16-byte aligned K, V and cache.
+// Why fast: every byte is read once and written once with 16-byte accesses; the encode costs about
+// 16 instructions per element (roughly 10 integer), inside the H200's budget at 3 bytes per
+// element; the block of a slot is a shift for power-of-two block sizes.
+#include "backend/cuda/cache_write.cuh"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/cuda_check.h"
+#include "core/half.h"
+#include "e4kv/e4m3.h"
+
+namespace e4kv::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunk = 16;  // elements per lane and step
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int64_t kMaxCtas = int64_t(1) << 20;  // per tensor; more tokens loop
+constexpr int kStatsCtasPerSm = 2;  // per tensor: few CTAs, each merges its histogram once
+
+struct CacheWriteKernelParams {
+  const uint16_t* k;         // [n_tokens, n_kv_heads, head_dim] FP16
+  const uint16_t* v;         // [n_tokens, n_kv_heads, head_dim] FP16
+  const void* slot_mapping;  // [n_tokens] int64 or int32, -1 = skip
+  uint8_t* cache;            // [n_blocks, 2, block_size, n_kv_heads, head_dim] FP16 or E4M3
+  int64_t n_tokens;
+  int64_t n_slots;  // n_blocks * block_size
+  int64_t block_size;
+  int32_t block_shift;  // log2(block_size) when a power of two, else -1
+  int32_t row_chunks;   // row_elems / kChunk
+  int64_t row_elems;    // n_kv_heads * head_dim
+  float k_scale;
+  float v_scale;
+  unsigned long long* non_finite;     // [2] (K, V) or nullptr
+  CacheWriteStatsCounters* counters;  // nullptr without statistics
+  const uint16_t* slot_table;         // [kCacheWriteStatTableSize]
+  // 0: the multiplier of the inf/NaN test, a parameter so that no compiler folds x * 0.
+  uint32_t zero_f16x2;
+};
+
+__device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+}
+
+// x * 0 + acc on both FP16 halves: +-0 stays +-0 for finite x; inf and NaN make (and keep) NaN.
+// `zero` is 0 (both halves).
+__device__ __forceinline__ uint32_t accumulate_non_finite(uint32_t w, uint32_t zero, uint32_t acc) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(w), "r"(zero), "r"(acc));
+  return d;
+}
+
+// Number of inf/NaN halves of w: the exponent field plus 0x400 reaches bit 15 only when all ones.
+__device__ __forceinline__ int count_non_finite(uint32_t w) {
+  return __popc(((w & 0x7C007C00u) + 0x04000400u) & 0x80008000u);
+}
+
+// E4M3 code of |x| / scale without the sign, for finite x (see the top of the file).
+__device__ __forceinline__ uint32_t magnitude_code(float x, float scale) {
+  const float a = fminf(__fdiv_rn(fabsf(x), scale), kE4m3Max);
+  const uint32_t m = __float_as_uint(a);
+  const uint32_t normal = (m + 0x7FFFFu + ((m >> 20) & 1u) - 0x3C000000u) >> 20;
+  const uint32_t subnormal = __float_as_uint(__fadd_rn(a, 16384.0f)) - 0x46800000u;
+  return m < 0x3C800000u ? subnormal : normal;
+}
+
+// Four finite FP16 values (w0 = elements 0, 1; w1 = 2, 3; first in the low half) -> four codes,
+// code i in byte i.
+__device__ __forceinline__ uint32_t encode4_finite(uint32_t w0, uint32_t w1, float scale) {
+  const uint32_t c0 = magnitude_code(half_bits_to_float(w0 & 0xFFFFu), scale);
+  const uint32_t c1 = magnitude_code(half_bits_to_float(w0 >> 16), scale);
+  const uint32_t c2 = magnitude_code(half_bits_to_float(w1 & 0xFFFFu), scale);
+  const uint32_t c3 = magnitude_code(half_bits_to_float(w1 >> 16), scale);
+  const uint32_t codes =
+      __byte_perm(__byte_perm(c0, c1, 0x0040u), __byte_perm(c2, c3, 0x0040u), 0x5410u);
+  const uint32_t signs = __byte_perm(w0, w1, 0x7531u);  // the high byte of each FP16
+  return codes | (signs & 0x80808080u);
+}
+
+// The same through the reference codec, for any input (NaN -> 0x7F).
+__device__ __noinline__ uint32_t encode4_exact(uint32_t w0, uint32_t w1, float scale) {
+  const uint32_t c0 = e4m3_encode(half_bits_to_float(w0 & 0xFFFFu), scale);
+  const uint32_t c1 = e4m3_encode(half_bits_to_float(w0 >> 16), scale);
+  const uint32_t c2 = e4m3_encode(half_bits_to_float(w1 & 0xFFFFu), scale);
+  const uint32_t c3 = e4m3_encode(half_bits_to_float(w1 >> 16), scale);
+  return c0 | c1 << 8 | c2 << 16 | c3 << 24;
+}
+
+// Per-CTA statistics of one tensor: a histogram per warp (same-address atomics of one warp do not
+// contend with other warps) and the largest finite FP16 magnitude.
+struct StatsShared {
+  unsigned int hist[kWarps][kCacheWriteStatSlots];
+  unsigned int absmax;
+};
+
+template <bool kStats>
+struct StatsCollector;
+
+template <>
+struct StatsCollector<false> {
+  __device__ __forceinline__ void begin() {}
+  __device__ __forceinline__ void observe(const uint32_t (&)[kChunk / 2]) {}
+  __device__ __forceinline__ void end(const CacheWriteKernelParams&) {}
+};
+
+template <>
+struct StatsCollector<true> {
+  StatsShared* shared;
+  const uint16_t* table;
+  int warp;
+  unsigned int absmax = 0;
+
+  __device__ __forceinline__ void begin() {
+    unsigned int* words = &shared->hist[0][0];
+    for (int i = threadIdx.x; i < kWarps * kCacheWriteStatSlots; i += kThreads) words[i] = 0;
+    if (threadIdx.x == 0) shared->absmax = 0;
+    __syncthreads();
+  }
+
+  __device__ __forceinline__ void observe(const uint32_t (&w)[kChunk / 2]) {
+    unsigned int* hist = shared->hist[warp];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const uint32_t mag = (w[i / 2] >> (16 * (i % 2))) & 0x7FFFu;
+      atomicAdd(&hist[__ldg(table + mag)], 1u);
+      if (mag < 0x7C00u) absmax = max(absmax, mag);  // FP16 magnitudes order like their bits
+    }
+  }
+
+  __device__ __forceinline__ void end(const CacheWriteKernelParams& p) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      absmax = max(absmax, __shfl_xor_sync(kFullMask, absmax, offset));
+    }
+    if (threadIdx.x % 32 == 0) atomicMax(&shared->absmax, absmax);
+    __syncthreads();
+    const int kv = int(blockIdx.y);
+    for (int s = threadIdx.x; s < kCacheWriteStatSlots; s += kThreads) {
+      unsigned long long sum = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += shared->hist[w][s];
+      if (sum != 0) atomicAdd(&p.counters->slots[kv][s], sum);
+    }
+    if (threadIdx.x == 0 && shared->absmax != 0) {
+      atomicMax(&p.counters->absmax_f16[kv], shared->absmax);
+    }
+  }
+};
+
+template <bool kE4m3, bool kStats, class Slot>
+__global__ void __launch_bounds__(kThreads)
+    cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
+  const int kv = int(blockIdx.y);
+  const int warp = int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const uint16_t* __restrict__ src_tensor = kv == 0 ? p.k : p.v;
+  const float scale = kv == 0 ? p.k_scale : p.v_scale;
+  const Slot* __restrict__ slot_mapping = static_cast<const Slot*>(p.slot_mapping);
+  constexpr int64_t kElemBytes = kE4m3 ? 1 : 2;
+
+  StatsCollector<kStats> stats;
+  if constexpr (kStats) {
+    __shared__ StatsShared shared;
+    stats.shared = &shared;
+    stats.table = p.slot_table;
+    stats.warp = warp;
+  }
+  stats.begin();
+
+  unsigned long long non_finite = 0;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + warp; t < p.n_tokens;
+       t += int64_t(gridDim.x) * kWarps) {
+    const int64_t slot = int64_t(__ldg(slot_mapping + t));
+    if (slot < 0 || slot >= p.n_slots) continue;  // -1: padding (the whole warp skips)
+    const int64_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
+    // Row (block * 2 + kv) * block_size + slot % block_size of the cache, in rows of row_elems.
+    const int64_t dst_row = slot + (block + kv) * p.block_size;
+    const uint4* src = reinterpret_cast<const uint4*>(src_tensor + t * p.row_elems);
+    uint4* dst = reinterpret_cast<uint4*>(p.cache + dst_row * p.row_elems * kElemBytes);
+    for (int c = lane; c < p.row_chunks; c += 32) {
+      const uint4 lo = __ldg(src + 2 * c);
+      const uint4 hi = __ldg(src + 2 * c + 1);
+      const uint32_t w[kChunk / 2] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      uint32_t acc = 0;
+#pragma unroll
+      for (int i = 0; i < kChunk / 2; ++i) acc = accumulate_non_finite(w[i], p.zero_f16x2, acc);
+      const bool all_finite = (acc & 0x7FFF7FFFu) == 0;
+      if (!all_finite) {
+#pragma unroll
+        for (int i = 0; i < kChunk / 2; ++i) non_finite += count_non_finite(w[i]);
+      }
+      stats.observe(w);
+      if constexpr (kE4m3) {
+        uint4 out;
+        if (all_finite) {
+          out.x = encode4_finite(w[0], w[1], scale);
+          out.y = encode4_finite(w[2], w[3], scale);
+          out.z = encode4_finite(w[4], w[5], scale);
+          out.w = encode4_finite(w[6], w[7], scale);
+        } else {
+          out.x = encode4_exact(w[0], w[1], scale);
+          out.y = encode4_exact(w[2], w[3], scale);
+          out.z = encode4_exact(w[4], w[5], scale);
+          out.w = encode4_exact(w[6], w[7], scale);
+        }
+        dst[c] = out;
+      } else {
+        dst[2 * c] = lo;
+        dst[2 * c + 1] = hi;
+      }
+    }
+  }
+
+  // Warp-aggregated: one atomic per warp that saw any inf/NaN.
+  if (p.non_finite != nullptr && __any_sync(kFullMask, non_finite != 0)) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      non_finite += __shfl_xor_sync(kFullMask, non_finite, offset);
+    }
+    if (lane == 0) atomicAdd(&p.non_finite[kv], non_finite);
+  }
+  stats.end(p);
+}
+
+template <bool kE4m3, bool kStats>
+void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
+  if (slots64) {
+    cache_write_kernel<kE4m3, kStats, int64_t><<<grid, kThreads, 0, stream>>>(kp);
+  } else {
+    cache_write_kernel<kE4m3, kStats, int32_t><<<grid, kThreads, 0, stream>>>(kp);
+  }
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+              const void* slot_mapping, bool slots64, int64_t n_tokens,
+              unsigned long long* non_finite, const CacheWriteStatsView* stats,
+              cudaStream_t stream) {
+  const KvCacheGeometry& g = cache.geometry;
+  if (g.n_blocks < 0 || g.block_size <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
+    return Status::error(cat("cache write: malformed cache geometry (n_blocks ", g.n_blocks,
+                             ", block_size ", g.block_size, ", n_kv_heads ", g.n_kv_heads,
+                             ", head_dim ", g.head_dim, ")"));
+  }
+  if (g.row_elems() % kChunk != 0) {
+    return Status::error(cat("cache write: n_kv_heads * head_dim = ", g.row_elems(),
+                             " is not a multiple of ", kChunk));
+  }
+  if (n_tokens < 0) return Status::error(cat("cache write: negative n_tokens ", n_tokens));
+  if (n_tokens == 0) return ok_status();
+  if (cache.data == nullptr || k == nullptr || v == nullptr || slot_mapping == nullptr) {
+    return Status::error("cache write: null cache, K, V or slot mapping");
+  }
+  if (!aligned16(cache.data) || !aligned16(k) || !aligned16(v)) {
+    return Status::error("cache write: cache, K and V must be 16-byte aligned");
+  }
+  const bool e4m3 = g.dtype == KvCacheDtype::kE4m3;
+  if (e4m3 && !(std::isfinite(cache.k_scale) && cache.k_scale > 0.0f &&
+                std::isfinite(cache.v_scale) && cache.v_scale > 0.0f)) {
+    return Status::error(
+        cat("cache write: invalid scales k_scale=", cache.k_scale, " v_scale=", cache.v_scale));
+  }
+  if (stats != nullptr && (stats->counters == nullptr || stats->slot_table == nullptr)) {
+    return Status::error("cache write: statistics view without counters or slot table");
+  }
+
+  CacheWriteKernelParams kp{};
+  kp.k = k;
+  kp.v = v;
+  kp.slot_mapping = slot_mapping;
+  kp.cache = static_cast<uint8_t*>(cache.data);
+  kp.n_tokens = n_tokens;
+  kp.n_slots = g.n_blocks * g.block_size;
+  kp.block_size = g.block_size;
+  kp.block_shift = -1;
+  for (int shift = 0; shift < 62; ++shift) {
+    if ((int64_t(1) << shift) == g.block_size) kp.block_shift = shift;
+  }
+  kp.row_chunks = int32_t(g.row_elems() / kChunk);
+  kp.row_elems = g.row_elems();
+  kp.k_scale = cache.k_scale;
+  kp.v_scale = cache.v_scale;
+  kp.non_finite = non_finite;
+  kp.counters = stats != nullptr ? stats->counters : nullptr;
+  kp.slot_table = stats != nullptr ? stats->slot_table : nullptr;
+  kp.zero_f16x2 = 0;
+
+  int64_t max_ctas = kMaxCtas;
+  if (stats != nullptr) {
+    int device = 0;
+    int n_sms = 0;
+    E4KV_CUDA_CHECK(cudaGetDevice(&device));
+    E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+    max_ctas = int64_t(kStatsCtasPerSm) * std::max(n_sms, 1);
+  }
+  const int64_t ctas = std::min((n_tokens + kWarps - 1) / kWarps, max_ctas);
+  const dim3 grid(unsigned(ctas), 2);
+  if (e4m3) {
+    if (stats != nullptr) {
+      launch_kernel<true, true>(kp, slots64, grid, stream);
+    } else {
+      launch_kernel<true, false>(kp, slots64, grid, stream);
+    }
+  } else {
+    if (stats != nullptr) {
+      launch_kernel<false, true>(kp, slots64, grid, stream);
+    } else {
+      launch_kernel<false, false>(kp, slots64, grid, stream);
+    }
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+std::vector<uint16_t> cache_write_stats_slot_table() {
+  std::vector<uint16_t> table(kCacheWriteStatTableSize);
+  for (uint32_t mag = 0; mag < table.size(); ++mag) {
+    int slot = 0;
+    if (mag == 0) {
+      slot = kCacheWriteStatZeroSlot;
+    } else if (mag >= 0x7C00u) {
+      slot = kCacheWriteStatNonFiniteSlot;
+    } else {
+      slot = kCacheWriteStatFirstBinSlot + kv_hist_bin_f16(uint16_t(mag));
+    }
+    table[mag] = uint16_t(slot);
+  }
+  return table;
+}
+
+CacheWriteStatsBuffer::CacheWriteStatsBuffer() {
+  E4KV_CUDA_CHECK(cudaMalloc(&counters_, sizeof(CacheWriteStatsCounters)));
+  E4KV_CUDA_CHECK(cudaMemset(counters_, 0, sizeof(CacheWriteStatsCounters)));
+  const std::vector<uint16_t> table = cache_write_stats_slot_table();
+  E4KV_CUDA_CHECK(cudaMalloc(&slot_table_, table.size() * sizeof(uint16_t)));
+  E4KV_CUDA_CHECK(cudaMemcpy(slot_table_, table.data(), table.size() * sizeof(uint16_t),
+                             cudaMemcpyHostToDevice));
+}
+
+CacheWriteStatsBuffer::~CacheWriteStatsBuffer() {
+  cudaFree(counters_);
+  cudaFree(slot_table_);
+}
+
+void CacheWriteStatsBuffer::reset(cudaStream_t stream) {
+  E4KV_CUDA_CHECK(cudaMemsetAsync(counters_, 0, sizeof(CacheWriteStatsCounters), stream));
+}
+
+std::pair<KvTensorStats, KvTensorStats> CacheWriteStatsBuffer::read(cudaStream_t stream) const {
+  CacheWriteStatsCounters host{};
+  E4KV_CUDA_CHECK(cudaMemcpyAsync(&host, counters_, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  auto tensor = [&](int kv) {
+    std::vector<int64_t> hist(kKvHistBins);
+    int64_t nonzero = 0;
+    for (int b = 0; b < kKvHistBins; ++b) {
+      hist[size_t(b)] = int64_t(host.slots[kv][kCacheWriteStatFirstBinSlot + b]);
+      nonzero += hist[size_t(b)];
+    }
+    const int64_t count = int64_t(host.slots[kv][kCacheWriteStatZeroSlot]) + nonzero;
+    const int64_t non_finite = int64_t(host.slots[kv][kCacheWriteStatNonFiniteSlot]);
+    const float absmax = f16_to_f32(uint16_t(host.absmax_f16[kv]));
+    return KvTensorStats::from_counts(count, non_finite, 0, 0, absmax, hist);
+  };
+  return {tensor(0), tensor(1)};
+}
+
+Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                   const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                   const CacheWriteStatsView* stats, cudaStream_t stream) {
+  return launch(cache, k, v, slot_mapping, true, n_tokens, non_finite, stats, stream);
+}
+
+Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                   const int32_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                   const CacheWriteStatsView* stats, cudaStream_t stream) {
+  return launch(cache, k, v, slot_mapping, false, n_tokens, non_finite, stats, stream);
+}
+
+}  // namespace e4kv::cuda

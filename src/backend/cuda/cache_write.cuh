@@ -1,0 +1,82 @@
+// Main KV cache write on the GPU (DESIGN.md sections 2, 3 and 6): the same operation as the CPU
+// reference backend/cpu/cache_write.h, byte for byte, with optional fused calibration statistics.
+// Host-only header (no CUDA include beyond the runtime API types).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "calib/kv_stats.h"
+#include "core/status.h"
+#include "kv/kv_cache_view.h"
+
+namespace e4kv::cuda {
+
+// Slots of the device statistics, per tensor: 0 = zeros, 1 + b = histogram bin b (kv_hist_bin_f16),
+// then non-finite. FP16 input never underflows or overflows the histogram.
+inline constexpr int kCacheWriteStatZeroSlot = 0;
+inline constexpr int kCacheWriteStatFirstBinSlot = 1;
+inline constexpr int kCacheWriteStatNonFiniteSlot = kCacheWriteStatFirstBinSlot + kKvHistBins;
+inline constexpr int kCacheWriteStatSlots = kCacheWriteStatNonFiniteSlot + 1;
+// Entries of the FP16 -> slot table: one per FP16 magnitude (bits & 0x7FFF).
+inline constexpr int kCacheWriteStatTableSize = 32768;
+
+// Device counters of the fused statistics, accumulated over any number of cache writes until
+// reset. count = zeros + sum(bins), nonzero = sum(bins).
+struct CacheWriteStatsCounters {
+  unsigned long long slots[2][kCacheWriteStatSlots];  // [K, V][slot]
+  unsigned int absmax_f16[2];  // [K, V] largest finite |x| as FP16 magnitude bits (ordered)
+};
+
+// What the kernel needs for fused statistics (device pointers).
+struct CacheWriteStatsView {
+  CacheWriteStatsCounters* counters = nullptr;
+  const uint16_t* slot_table = nullptr;  // [kCacheWriteStatTableSize], cache_write_stats_slot_table
+};
+
+// The FP16 magnitude -> slot table, built from kv_hist_bin_f16 so the bins are exactly the CPU
+// collector's.
+std::vector<uint16_t> cache_write_stats_slot_table();
+
+// Owns the device counters and the uploaded slot table (allocated zeroed). Not copyable.
+class CacheWriteStatsBuffer {
+ public:
+  CacheWriteStatsBuffer();
+  ~CacheWriteStatsBuffer();
+  CacheWriteStatsBuffer(const CacheWriteStatsBuffer&) = delete;
+  CacheWriteStatsBuffer& operator=(const CacheWriteStatsBuffer&) = delete;
+
+  CacheWriteStatsView view() const { return CacheWriteStatsView{counters_, slot_table_}; }
+  // Zeroes the counters (asynchronous on `stream`).
+  void reset(cudaStream_t stream);
+  // Copies the counters back (waits for `stream`): {K statistics, V statistics}, comparable with
+  // KvTensorStats::observe over the same FP16 values.
+  std::pair<KvTensorStats, KvTensorStats> read(cudaStream_t stream) const;
+
+ private:
+  CacheWriteStatsCounters* counters_ = nullptr;
+  uint16_t* slot_table_ = nullptr;
+};
+
+// Writes n_tokens K/V rows into one layer's cache (device pointers throughout), as
+// e4kv::cache_write does on the CPU:
+//   k, v:         [n_tokens, n_kv_heads, head_dim] FP16 bits
+//   slot_mapping: [n_tokens] int64 or int32; -1 = skip (other slots outside the cache are skipped
+//                 too: a caller bug that the kernel never turns into an out-of-bounds write)
+//   non_finite:   [2] (K, V) device counters of inf/NaN inputs, accumulated (zero them first);
+//                 nullptr to skip counting
+//   stats:        nullptr, or fused statistics of the written rows' FP16 values (skipped tokens are
+//                 not observed)
+// Limits: n_kv_heads * head_dim a multiple of 16; k, v and cache.data 16-byte aligned. Returns an
+// error for inputs outside the limits or invalid E4M3 scales; launch failures are fatal.
+Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                   const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                   const CacheWriteStatsView* stats, cudaStream_t stream);
+Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                   const int32_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                   const CacheWriteStatsView* stats, cudaStream_t stream);
+
+}  // namespace e4kv::cuda

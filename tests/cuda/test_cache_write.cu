@@ -1,0 +1,336 @@
+// CUDA cache write against the CPU reference (backend/cpu/cache_write.h) and the CPU statistics
+// collector (calib/kv_stats.h) on fresh random data: head_dim {64,128,256} x n_kv_heads {1,2,8} x
+// block_size {16,64} x FP16/E4M3, int64 and int32 slot mappings with -1 entries over shuffled
+// slots, inputs with inf/NaN, E4M3 rounding ties, saturating values, -0 and subnormals. The caches
+// are poisoned with random bytes first; every byte must equal the CPU result (untouched slots keep
+// the poison), the non-finite counts and the fused statistics must be identical.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cache_write.h"
+#include "backend/cuda/cache_write.cuh"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "calib/kv_stats.h"
+#include "core/half.h"
+#include "core/status.h"
+#include "e4kv/e4m3.h"
+
+namespace e4kv::cuda {
+namespace {
+
+template <class T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    E4KV_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)));
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
+    E4KV_CUDA_CHECK(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  std::vector<T> to_host() const {
+    std::vector<T> host(n);
+    E4KV_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+struct Case {
+  int head_dim;
+  int n_kv_heads;
+  int block_size;
+  KvCacheDtype dtype;
+  bool slots32;
+  int64_t n_tokens;
+};
+
+std::string describe(const Case& c) {
+  return cat("d", c.head_dim, " kv", c.n_kv_heads, " bs", c.block_size,
+             c.dtype == KvCacheDtype::kF16 ? " f16" : " e4m3", c.slots32 ? " slots32" : " slots64",
+             " tokens", c.n_tokens);
+}
+
+// FP16 values of x * scale for x at the midpoint between two neighbouring E4M3 values (exact
+// ties when scale is a power of two, near ties otherwise), and just beside them.
+std::vector<uint16_t> tie_values(float scale) {
+  std::vector<uint16_t> out;
+  for (int code = 0; code < 0x7E; ++code) {
+    const float mid = 0.5f * (e4m3_decode(uint8_t(code)) + e4m3_decode(uint8_t(code + 1)));
+    const uint16_t h = f32_to_f16(mid * scale);
+    out.push_back(h);
+    out.push_back(uint16_t(h + 1));
+    if (h > 0) out.push_back(uint16_t(h - 1));
+  }
+  return out;
+}
+
+// Random FP16 rows: Gaussian with outlier channels, then injected special values.
+std::vector<uint16_t> make_values(std::mt19937& rng, int64_t n, int64_t head_dim, float sigma,
+                                  float scale) {
+  std::normal_distribution<float> normal(0.0f, sigma);
+  std::uniform_int_distribution<int> pick(0, 99);
+  const std::vector<uint16_t> ties = tie_values(scale);
+  const std::vector<uint16_t> specials = {
+      0x0000, 0x8000,          // +0, -0
+      0x7C00, 0xFC00,          // +-inf
+      0x7E00, 0xFE00, 0x7C01,  // NaNs
+      0xFFFF, 0x7BFF, 0xFBFF,  // NaN, +-65504
+      0x0001, 0x8001, 0x03FF,  // subnormals
+      0x0400, 0x8400,          // smallest normals
+  };
+  std::vector<uint16_t> out(size_t(n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int r = pick(rng);
+    if (r < 1) {
+      out[size_t(i)] = specials[rng() % specials.size()];
+    } else if (r < 6) {
+      out[size_t(i)] = uint16_t(ties[rng() % ties.size()] | (rng() % 2 ? 0x8000u : 0u));
+    } else if (r < 8) {
+      out[size_t(i)] = uint16_t((rng() % 0x400u) | (rng() % 2 ? 0x8000u : 0u));  // subnormal
+    } else if (r < 9) {
+      out[size_t(i)] = f32_to_f16((rng() % 2 ? 1.0f : -1.0f) * 448.0f * scale *
+                                  (1.0f + float(rng() % 64) / 16.0f));  // saturates
+    } else {
+      const float outlier = (i % head_dim) % 37 == 5 ? 30.0f : 1.0f;
+      out[size_t(i)] = f32_to_f16(normal(rng) * outlier);
+    }
+  }
+  return out;
+}
+
+std::string describe_stats(const KvTensorStats& s) {
+  return cat("count ", s.count(), " nonzero ", s.nonzero(), " non_finite ", s.non_finite(),
+             " absmax ", s.absmax());
+}
+
+void expect_same_stats(const KvTensorStats& gpu, const KvTensorStats& cpu,
+                       const std::string& what) {
+  if (gpu == cpu) return;
+  std::string first_bin = "none";
+  for (int b = 0; b < kKvHistBins; ++b) {
+    if (gpu.bin(b) != cpu.bin(b)) {
+      first_bin = cat(b, " (gpu ", gpu.bin(b), ", cpu ", cpu.bin(b), ")");
+      break;
+    }
+  }
+  ADD_FAILURE() << what << ": statistics differ: gpu " << describe_stats(gpu) << "; cpu "
+                << describe_stats(cpu) << "; first differing bin " << first_bin;
+}
+
+void run_case(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937 rng(seed);
+  const bool e4m3 = c.dtype == KvCacheDtype::kE4m3;
+  const int64_t row = int64_t(c.n_kv_heads) * c.head_dim;
+  // Room for half again as many tokens, so some slots stay untouched.
+  const int64_t n_blocks = (c.n_tokens * 3 / 2) / c.block_size + 2;
+  const KvCacheGeometry geo{n_blocks, c.block_size, c.n_kv_heads, c.head_dim, c.dtype};
+  // k_scale: not a power of two (near ties only); v_scale: a power of two (exact ties).
+  const float k_scale = e4m3 ? 0.0234375f * (1.0f + float(seed % 7) / 13.0f) : 1.0f;
+  const float v_scale = e4m3 ? 0.0078125f : 1.0f;
+
+  std::vector<uint16_t> k = make_values(rng, c.n_tokens * row, c.head_dim, 2.0f, k_scale);
+  std::vector<uint16_t> v = make_values(rng, c.n_tokens * row, c.head_dim, 0.5f, v_scale);
+  // The last token is always written: give it an inf and a NaN so every case counts some.
+  k[size_t((c.n_tokens - 1) * row + 3)] = 0x7C00;
+  v[size_t((c.n_tokens - 1) * row + row - 1)] = 0xFE00;
+
+  // Shuffled distinct slots, about 10% of the tokens skipped with -1.
+  std::vector<int64_t> all_slots(size_t(n_blocks * c.block_size));
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng);
+  std::vector<int64_t> slots(size_t(c.n_tokens));
+  for (int64_t t = 0; t < c.n_tokens; ++t) slots[size_t(t)] = rng() % 10 == 0 ? -1 : all_slots[t];
+  if (c.n_tokens > 2) slots[0] = -1;  // a skipped first and a written last token
+  slots.back() = all_slots[size_t(c.n_tokens - 1)];
+  std::vector<int32_t> slots32(slots.begin(), slots.end());
+
+  std::vector<uint8_t> poison(geo.total_bytes());
+  for (auto& b : poison) b = uint8_t(rng());
+
+  // CPU reference and the CPU statistics collector over the written rows.
+  std::vector<uint8_t> ref = poison;
+  const CacheWriteStats ref_counts = e4kv::cache_write(
+      KvCacheView{ref.data(), geo, k_scale, v_scale}, k.data(), v.data(), slots.data(), c.n_tokens);
+  KvTensorStats k_ref;
+  KvTensorStats v_ref;
+  for (int64_t t = 0; t < c.n_tokens; ++t) {
+    if (slots[size_t(t)] == -1) continue;
+    k_ref.observe(k.data() + t * row, row);
+    v_ref.observe(v.data() + t * row, row);
+  }
+  EXPECT_GT(ref_counts.k_non_finite, 0) << "no inf/NaN injected";
+  EXPECT_GT(ref_counts.v_non_finite, 0) << "no inf/NaN injected";
+
+  DeviceBuffer<uint16_t> d_k(k);
+  DeviceBuffer<uint16_t> d_v(v);
+  DeviceBuffer<int64_t> d_slots(slots);
+  DeviceBuffer<int32_t> d_slots32(slots32);
+  DeviceBuffer<unsigned long long> d_non_finite(2);
+  CacheWriteStatsBuffer stats_buffer;
+
+  // Once without and once with fused statistics, each into a freshly poisoned cache.
+  for (const bool with_stats : {false, true}) {
+    SCOPED_TRACE(with_stats ? "with statistics" : "without statistics");
+    DeviceBuffer<uint8_t> d_cache(poison);
+    E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
+    stats_buffer.reset(nullptr);
+    const CacheWriteStatsView view = stats_buffer.view();
+    const KvCacheView cache{d_cache.ptr, geo, k_scale, v_scale};
+    const Status st = c.slots32
+                          ? cache_write(cache, d_k.ptr, d_v.ptr, d_slots32.ptr, c.n_tokens,
+                                        d_non_finite.ptr, with_stats ? &view : nullptr, nullptr)
+                          : cache_write(cache, d_k.ptr, d_v.ptr, d_slots.ptr, c.n_tokens,
+                                        d_non_finite.ptr, with_stats ? &view : nullptr, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message();
+    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+
+    const std::vector<uint8_t> got = d_cache.to_host();
+    int64_t n_bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i] == ref[i]) continue;
+      if (n_bad++ == 0) {
+        const size_t elem = i / geo.elem_bytes();
+        const int64_t row_index = int64_t(elem) / row;  // (block * 2 + kv) * block_size + slot
+        ADD_FAILURE() << "first bad byte " << i << " (block " << row_index / (2 * c.block_size)
+                      << ", " << ((row_index / c.block_size) % 2 ? "V" : "K") << ", row "
+                      << row_index % c.block_size << ", element " << int64_t(elem) % row
+                      << "): gpu 0x" << std::hex << int(got[i]) << " cpu 0x" << int(ref[i])
+                      << " poison 0x" << int(poison[i]) << std::dec;
+      }
+    }
+    EXPECT_EQ(n_bad, 0) << "bytes differing from the CPU reference";
+
+    const std::vector<unsigned long long> counts = d_non_finite.to_host();
+    EXPECT_EQ(int64_t(counts[0]), ref_counts.k_non_finite);
+    EXPECT_EQ(int64_t(counts[1]), ref_counts.v_non_finite);
+
+    const auto [k_gpu, v_gpu] = stats_buffer.read(nullptr);
+    if (with_stats) {
+      expect_same_stats(k_gpu, k_ref, "K");
+      expect_same_stats(v_gpu, v_ref, "V");
+    } else {
+      EXPECT_EQ(k_gpu.count() + v_gpu.count() + k_gpu.non_finite() + v_gpu.non_finite(), 0)
+          << "statistics written without a statistics view";
+    }
+  }
+}
+
+TEST(CacheWriteCuda, MatchesCpuReferenceOverTheSweep) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  uint32_t seed = 1;
+  int n_cases = 0;
+  for (int head_dim : {64, 128, 256}) {
+    for (int n_kv_heads : {1, 2, 8}) {
+      for (int block_size : {16, 64}) {
+        for (KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+          const bool slots32 = seed % 2 == 0;
+          const int64_t n_tokens = 1 + int64_t(seed * 37 % 300);
+          run_case(Case{head_dim, n_kv_heads, block_size, dtype, slots32, n_tokens}, seed);
+          ++seed;
+          ++n_cases;
+        }
+      }
+    }
+  }
+  std::printf("[ info ] %d cases\n", n_cases);
+}
+
+// More tokens than the statistics grid covers in one pass (2 CTAs per SM x 8 warps: 2112 tokens on
+// an H200), and a single token.
+TEST(CacheWriteCuda, LargeAndTinyBatches) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(Case{128, 8, 64, KvCacheDtype::kE4m3, false, 9000}, 1001);
+  run_case(Case{256, 2, 64, KvCacheDtype::kF16, true, 9000}, 1002);
+  run_case(Case{256, 2, 16, KvCacheDtype::kE4m3, true, 1}, 1003);
+}
+
+// Every FP16 bit pattern through the E4M3 path at several scales, against e4m3_encode.
+TEST(CacheWriteCuda, EveryFp16PatternMatchesTheCodec) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int64_t row = 8 * 128;
+  const int64_t n_tokens = 65536 / row;
+  const KvCacheGeometry geo{n_tokens / 64, 64, 8, 128, KvCacheDtype::kE4m3};
+  std::vector<uint16_t> k(65536);
+  std::iota(k.begin(), k.end(), uint16_t(0));
+  std::vector<uint16_t> v(k.rbegin(), k.rend());
+  std::vector<int64_t> slots(static_cast<size_t>(n_tokens));
+  std::iota(slots.begin(), slots.end(), 0);
+  DeviceBuffer<uint16_t> d_k(k);
+  DeviceBuffer<uint16_t> d_v(v);
+  DeviceBuffer<int64_t> d_slots(slots);
+  DeviceBuffer<uint8_t> d_cache(geo.total_bytes());
+  DeviceBuffer<unsigned long long> d_non_finite(2);
+  for (float scale : {1.0f, 0.0234375f, 1.0f / 448.0f, 3.0e-5f, 7.1f, 1.0e-20f, 1.0e20f}) {
+    SCOPED_TRACE(cat("scale ", scale));
+    E4KV_CUDA_CHECK(cudaMemset(d_cache.ptr, 0x5A, geo.total_bytes()));
+    E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
+    const Status st =
+        cache_write(KvCacheView{d_cache.ptr, geo, scale, scale * 1.5f}, d_k.ptr, d_v.ptr,
+                    d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message();
+    const std::vector<uint8_t> got = d_cache.to_host();
+    int64_t n_bad = 0;
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int64_t i = 0; i < row; ++i) {
+          const uint16_t h = (kv == 0 ? k : v)[size_t(t * row + i)];
+          const uint8_t want = e4m3_encode(f16_to_f32(h), kv == 0 ? scale : scale * 1.5f);
+          const uint8_t have = got[size_t(geo.elem_offset(t / 64, kv, t % 64, 0) + i)];
+          if (have != want && n_bad++ < 5) {
+            ADD_FAILURE() << "fp16 0x" << std::hex << h << (kv ? " V" : " K") << ": gpu 0x"
+                          << int(have) << " codec 0x" << int(want) << std::dec;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(n_bad, 0);
+    const std::vector<unsigned long long> counts = d_non_finite.to_host();
+    EXPECT_EQ(counts[0], 2048u);  // 2 * 1024 patterns with an all-ones exponent
+    EXPECT_EQ(counts[1], 2048u);
+  }
+}
+
+TEST(CacheWriteCuda, RejectsUnsupportedInputs) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  DeviceBuffer<uint8_t> d_cache(1 << 16);
+  DeviceBuffer<uint16_t> d_kv(1 << 12);
+  DeviceBuffer<int64_t> d_slots(4);
+  const KvCacheGeometry ok_geo{4, 16, 2, 64, KvCacheDtype::kE4m3};
+  // n_kv_heads * head_dim not a multiple of 16.
+  KvCacheGeometry odd = ok_geo;
+  odd.head_dim = 40;
+  odd.n_kv_heads = 1;
+  EXPECT_FALSE(cache_write(KvCacheView{d_cache.ptr, odd, 1.0f, 1.0f}, d_kv.ptr, d_kv.ptr,
+                           d_slots.ptr, 4, nullptr, nullptr, nullptr)
+                   .ok());
+  // Misaligned K.
+  EXPECT_FALSE(cache_write(KvCacheView{d_cache.ptr, ok_geo, 1.0f, 1.0f}, d_kv.ptr + 1, d_kv.ptr,
+                           d_slots.ptr, 4, nullptr, nullptr, nullptr)
+                   .ok());
+  // Invalid E4M3 scales.
+  EXPECT_FALSE(cache_write(KvCacheView{d_cache.ptr, ok_geo, 0.0f, 1.0f}, d_kv.ptr, d_kv.ptr,
+                           d_slots.ptr, 4, nullptr, nullptr, nullptr)
+                   .ok());
+  EXPECT_FALSE(cache_write(KvCacheView{d_cache.ptr, ok_geo, 1.0f, NAN}, d_kv.ptr, d_kv.ptr,
+                           d_slots.ptr, 4, nullptr, nullptr, nullptr)
+                   .ok());
+  // Nothing to do.
+  EXPECT_TRUE(cache_write(KvCacheView{d_cache.ptr, ok_geo, 1.0f, 1.0f}, d_kv.ptr, d_kv.ptr,
+                          d_slots.ptr, 0, nullptr, nullptr, nullptr)
+                  .ok());
+}
+
+}  // namespace
+}  // namespace e4kv::cuda
