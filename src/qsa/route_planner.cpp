@@ -234,4 +234,25 @@ std::vector<AttentionRouteLimits> reference_attention_routes() {
   return {prefill_64, prefill_16, decode};
 }
 
+std::vector<AttentionRouteLimits> cuda_attention_routes() {
+  // backend/cuda/paged_decode_attention: one query row per warp task, so every row is its own tile
+  // (prefill-chunk rows included); head_dim 64/128/256, a whole GQA group of at most 16, block_size
+  // a multiple of 8, FP16 and E4M3 pages, dense and QSA. Rows per launch are bounded by the
+  // workspace the runner allocates (DecodeAttentionWorkspace::max_rows), not by the grid.
+  AttentionRouteLimits decode;
+  decode.name = "cuda_decode";
+  decode.min_rows_per_tile = 1;
+  decode.max_rows_per_tile = 1;
+  decode.max_rows_per_launch = 65536;
+  decode.max_tiles_per_launch = 65536;
+  decode.head_dims = {64, 128, 256};
+  decode.block_sizes = {8, 16, 32, 64, 128, 256};
+  for (int64_t g = 1; g <= 16; ++g) decode.gqa_groups.push_back(g);
+  decode.f16 = true;
+  decode.e4m3 = true;
+  decode.dense = true;
+  decode.qsa = true;
+  return {decode};
+}
+
 }  // namespace e4kv

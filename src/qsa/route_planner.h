@@ -106,4 +106,9 @@ Status check_route_plan(std::span<const AttentionRouteLimits> routes,
 // kernels' limits (head dims, block sizes, GQA groups, workspace-bound rows per launch).
 std::vector<AttentionRouteLimits> reference_attention_routes();
 
+// The routes of the CUDA kernels that exist today: the paged decode attention kernel takes every
+// row (decode rows and prefill-chunk rows alike, one row per tile). Its limits are the kernel's
+// (paged_decode_attention.cuh). TODO(#5): a tensor-core prefill route for chunks.
+std::vector<AttentionRouteLimits> cuda_attention_routes();
+
 }  // namespace e4kv

@@ -17,6 +17,7 @@
 #include "backend/cuda/paged_decode_attention.cuh"
 #include "core/half.h"
 #include "e4kv/e4m3.h"
+#include "qsa/route_planner.h"
 
 namespace e4kv::cuda {
 namespace {
@@ -54,7 +55,9 @@ struct Case {
 std::string describe(const Case& c) {
   return "d" + std::to_string(c.head_dim) + " kv" + std::to_string(c.n_kv_heads) + " g" +
          std::to_string(c.group) + " bs" + std::to_string(c.block_size) +
-         (c.dtype == KvCacheDtype::kF16 ? " f16" : c.native ? " e4m3-native" : " e4m3-soft") +
+         (c.dtype == KvCacheDtype::kF16 ? " f16"
+          : c.native                    ? " e4m3-native"
+                                        : " e4m3-soft") +
          (c.qsa ? " qsa" : " dense");
 }
 
@@ -214,8 +217,8 @@ Result run_case(const Case& c, uint32_t seed) {
   // Alternate between the planner's split and a small one so many splits are exercised.
   DecodeAttentionPlan plan = plan_decode_attention(n_rows, c.n_kv_heads, max_keys, n_sms);
   if (seed % 2 == 1) plan = DecodeAttentionPlan{64, (max_keys + 255) / 256 * 4};
-  DeviceBuffer<float> d_ws(decode_attention_workspace_floats(n_rows, plan.n_splits, n_heads,
-                                                             c.head_dim));
+  DeviceBuffer<float> d_ws(
+      decode_attention_workspace_floats(n_rows, plan.n_splits, n_heads, c.head_dim));
   E4KV_CUDA_CHECK(cudaMemset(d_ws.ptr, 0xFF, d_ws.n * sizeof(float)));
   DecodeAttentionWorkspace ws;
   ws.m = d_ws.ptr;
@@ -258,15 +261,20 @@ TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {
           if (variant == 2 && !native) continue;
           const KvCacheDtype dtype = variant == 0 ? KvCacheDtype::kF16 : KvCacheDtype::kE4m3;
           const bool qsa = (head_dim + group + block_size + variant) % 2 == 0;
-          cases.push_back(Case{head_dim, group >= 12 ? 1 : 2, group, block_size, dtype, qsa,
-                               variant == 2});
+          cases.push_back(
+              Case{head_dim, group >= 12 ? 1 : 2, group, block_size, dtype, qsa, variant == 2});
         }
       }
     }
   }
   double worst = 0;
   uint32_t seed = 1;
+  const std::vector<AttentionRouteLimits> routes = cuda_attention_routes();
   for (const Case& c : cases) {
+    // The route table the runner plans with claims exactly the shapes tested here.
+    EXPECT_TRUE(
+        routes[0].supports(AttentionRouteShape{c.head_dim, c.block_size, c.dtype, c.qsa, c.group}))
+        << describe(c);
     const Result r = run_case(c, seed++);
     EXPECT_EQ(r.nan_count, 0) << describe(c);
     EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << " max abs " << r.max_abs;

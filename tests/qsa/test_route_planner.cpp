@@ -310,3 +310,57 @@ TEST(RoutePlanner, CheckCatchesBrokenPlans) {
 
 }  // namespace
 }  // namespace e4kv
+
+namespace e4kv {
+namespace {
+
+// The CUDA table: every shape the decode kernel takes is planned, the seed's 49-row batch included,
+// and random mixed layouts stay inside the limits.
+TEST(RoutePlannerCuda, EveryKernelShapeAndLayoutIsPlanned) {
+  const std::vector<AttentionRouteLimits> routes = cuda_attention_routes();
+  ASSERT_TRUE(validate_route_table(routes).ok());
+  std::mt19937 rng(5);
+  for (int64_t head_dim : {64, 128, 256}) {
+    for (int64_t group : {1, 4, 6, 8, 12, 16}) {
+      for (int64_t block_size : {16, 64}) {
+        for (KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+          for (bool qsa : {false, true}) {
+            const AttentionRouteShape shape{head_dim, block_size, dtype, qsa, group};
+            ASSERT_TRUE(routes[0].supports(shape));
+            // 46-row catch-up chunk plus three decode rows, then a random layout.
+            std::vector<int32_t> row_seq;
+            std::vector<int32_t> row_pos;
+            for (int32_t p = 1000; p < 1046; ++p) row_seq.push_back(0), row_pos.push_back(p);
+            for (int32_t s = 1; s <= 3; ++s) row_seq.push_back(s), row_pos.push_back(5000 + s);
+            const int n_random = int(rng() % 40);
+            for (int i = 0; i < n_random; ++i) {
+              row_seq.push_back(4 + i);
+              row_pos.push_back(int32_t(rng() % 100000));
+            }
+            QueryBatchView rows;
+            rows.n_rows = int64_t(row_seq.size());
+            rows.row_seq = row_seq.data();
+            rows.row_pos = row_pos.data();
+            const Result<RoutePlan> plan = plan_attention_routes(routes, shape, rows);
+            ASSERT_TRUE(plan.ok()) << plan.message();
+            const Status checked = check_route_plan(routes, shape, rows, *plan);
+            EXPECT_TRUE(checked.ok()) << checked.message();
+            EXPECT_EQ(int64_t(plan->tiles.size()), rows.n_rows);
+          }
+        }
+      }
+    }
+  }
+  // Outside the kernel's limits: no route.
+  const AttentionRouteShape too_wide{96, 64, KvCacheDtype::kF16, false, 8};
+  std::vector<int32_t> seq{0};
+  std::vector<int32_t> pos{3};
+  QueryBatchView one;
+  one.n_rows = 1;
+  one.row_seq = seq.data();
+  one.row_pos = pos.data();
+  EXPECT_FALSE(plan_attention_routes(routes, too_wide, one).ok());
+}
+
+}  // namespace
+}  // namespace e4kv
