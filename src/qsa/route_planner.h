@@ -100,10 +100,9 @@ Status check_route_plan(std::span<const AttentionRouteLimits> routes,
                         const AttentionRouteShape& shape, const QueryBatchView& rows,
                         const RoutePlan& plan);
 
-// A reference table: prefill tiles of 64 rows (chunks of 33+ rows), of 16 rows (2+), and single
-// decode rows, at most 16 per launch, as the seed's XQA tail route.
-// TODO(cuda-attention): placeholder limits; the CUDA attention issue replaces them with the real
-// kernels' limits (head dims, block sizes, GQA groups, workspace-bound rows per launch).
+// A reference table for the planner's own tests: prefill tiles of 64 rows (chunks of 33+ rows), of
+// 16 rows (2+), and single decode rows, at most 16 per launch, as the seed's XQA tail route. The
+// engine plans with cuda_attention_routes() (below) on the GPU.
 std::vector<AttentionRouteLimits> reference_attention_routes();
 
 // The routes of the CUDA kernels that exist today: the paged decode attention kernel takes every
