@@ -15,8 +15,12 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
+#include "bench_timing.cuh"
 
 namespace {
+
+using e4kv::bench::copy_bandwidth_tbs;
+using e4kv::bench::time_ms;
 
 using namespace e4kv;
 using namespace e4kv::cuda;
@@ -49,50 +53,6 @@ __global__ void fill_kernel(uint8_t* data, size_t n, uint32_t seed, bool e4m3) {
       data[i] = uint8_t(x);
     }
   }
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Median over 7 samples of (time of 10 back-to-back launches) / 10: the GPU stays busy, so host
-// launch overhead overlaps with device work as it does in a serving loop.
-template <class F>
-float time_ms(F&& launch) {
-  constexpr int kSamples = 7;
-  constexpr int kLaunches = 10;
-  cudaEvent_t start, stop;
-  E4KV_CUDA_CHECK(cudaEventCreate(&start));
-  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> times;
-  for (int i = 0; i < kSamples; ++i) {
-    E4KV_CUDA_CHECK(cudaEventRecord(start));
-    for (int j = 0; j < kLaunches; ++j) launch();
-    E4KV_CUDA_CHECK(cudaEventRecord(stop));
-    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / kLaunches);
-  }
-  E4KV_CUDA_CHECK(cudaEventDestroy(start));
-  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
-  return median(times);
-}
-
-double copy_bandwidth_tbs() {
-  const size_t bytes = size_t(2) << 30;
-  void* a = nullptr;
-  void* b = nullptr;
-  E4KV_CUDA_CHECK(cudaMalloc(&a, bytes));
-  E4KV_CUDA_CHECK(cudaMalloc(&b, bytes));
-  E4KV_CUDA_CHECK(cudaMemset(a, 1, bytes));
-  const float ms =
-      time_ms([&] { E4KV_CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
-  E4KV_CUDA_CHECK(cudaFree(a));
-  E4KV_CUDA_CHECK(cudaFree(b));
-  return 2.0 * double(bytes) / (ms * 1e-3) / 1e12;
 }
 
 struct Measurement {

@@ -15,8 +15,11 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_topk.cuh"
+#include "bench_timing.cuh"
 
 namespace {
+
+using e4kv::bench::time_ms;
 
 using namespace e4kv;
 using namespace e4kv::cuda;
@@ -31,34 +34,6 @@ __global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
     x ^= x >> 15;
     data[i] = uint16_t((x & 0x8000u) | ((9u + (x >> 16) % 8u) << 10) | (x & 0x3FFu));
   }
-}
-
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <class F>
-float time_ms(F&& launch) {
-  constexpr int kSamples = 7;
-  constexpr int kLaunches = 10;
-  cudaEvent_t start, stop;
-  E4KV_CUDA_CHECK(cudaEventCreate(&start));
-  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> times;
-  for (int i = 0; i < kSamples; ++i) {
-    E4KV_CUDA_CHECK(cudaEventRecord(start));
-    for (int j = 0; j < kLaunches; ++j) launch();
-    E4KV_CUDA_CHECK(cudaEventRecord(stop));
-    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / kLaunches);
-  }
-  E4KV_CUDA_CHECK(cudaEventDestroy(start));
-  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
-  return median(times);
 }
 
 void check(const Status& st) {

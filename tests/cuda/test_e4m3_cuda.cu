@@ -201,9 +201,10 @@ TEST(E4m3Cuda, RoundingMatchesHardwareOnAllFloats) {
       cudaMemcpy(&mismatches, d_mismatches, sizeof(mismatches), cudaMemcpyDeviceToHost));
   E4KV_CUDA_CHECK(cudaMemcpy(&first_bad, d_first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost));
   EXPECT_EQ(mismatches, 0ull) << "first mismatching fp32 bits 0x" << std::hex << first_bad;
-  std::printf("[ info ] %llu fp32 inputs checked: %llu mismatches against "
-              "cvt.rn.satfinite.e4m3x2.f32\n",
-              checked, mismatches);
+  std::printf(
+      "[ info ] %llu fp32 inputs checked: %llu mismatches against "
+      "cvt.rn.satfinite.e4m3x2.f32\n",
+      checked, mismatches);
   E4KV_CUDA_CHECK(cudaFree(d_mismatches));
   E4KV_CUDA_CHECK(cudaFree(d_first_bad));
   E4KV_CUDA_CHECK(cudaFree(d_checked));

@@ -23,31 +23,12 @@
 #include "backend/cuda/qsa_indexer_write.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 #include "core/half.h"
+#include "device_buffer.cuh"
 #include "qsa/indexer_cache.h"
 #include "qsa/selection.h"
 
 namespace e4kv::cuda {
 namespace {
-
-template <class T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    E4KV_CUDA_CHECK(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)));
-  }
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {
-    E4KV_CUDA_CHECK(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  std::vector<T> to_host() const {
-    std::vector<T> host(n);
-    E4KV_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-};
 
 constexpr uint32_t kPoisonBits = 0x7FBADBADu;  // a NaN the kernels never produce
 
