@@ -6,6 +6,8 @@ packages=(
   cmake ninja-build g++ make pkg-config
   nlohmann-json3-dev libcli11-dev libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libpcre2-dev      # the tokenizer's pre-tokenizer regexes
+  libopenblas-dev   # the CPU backend's GEMMs
   clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
 )
 
