@@ -6,6 +6,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 mkdir -p "$OUT"
 JOBS=$(nproc)
 status=0

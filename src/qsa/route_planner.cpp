@@ -235,24 +235,35 @@ std::vector<AttentionRouteLimits> reference_attention_routes() {
 }
 
 std::vector<AttentionRouteLimits> cuda_attention_routes() {
-  // backend/cuda/paged_decode_attention: one query row per warp task, so every row is its own tile
-  // (prefill-chunk rows included); head_dim 64/128/256, a whole GQA group of at most 16, block_size
-  // a multiple of 8, FP16 and E4M3 pages, dense and QSA. Rows per launch are bounded by the
-  // workspace the runner allocates (DecodeAttentionWorkspace::max_rows), not by the grid.
+  // backend/cuda/paged_prefill_attention: runs of 2..64 rows of one sequence share each K/V tile
+  // (the launcher cuts a tile into CTA items of 64 / group rows); head_dim 64/128/256, GQA group
+  // <= 16, block_size a multiple of 8, FP16 and E4M3, dense and QSA. No workspace, so no row bound
+  // beyond the grid.
+  AttentionRouteLimits prefill;
+  prefill.name = "cuda_prefill";
+  prefill.min_rows_per_tile = 2;
+  prefill.max_rows_per_tile = 64;
+  prefill.max_rows_per_launch = 1 << 24;
+  prefill.max_tiles_per_launch = 1 << 24;
+  // backend/cuda/paged_decode_attention: one query row per warp task, so every row is its own tile;
+  // the same shapes. Rows per launch are bounded by the workspace the runner allocates
+  // (DecodeAttentionWorkspace::max_rows), not by the grid.
   AttentionRouteLimits decode;
   decode.name = "cuda_decode";
   decode.min_rows_per_tile = 1;
   decode.max_rows_per_tile = 1;
   decode.max_rows_per_launch = 65536;
   decode.max_tiles_per_launch = 65536;
-  decode.head_dims = {64, 128, 256};
-  decode.block_sizes = {8, 16, 32, 64, 128, 256};
-  for (int64_t g = 1; g <= 16; ++g) decode.gqa_groups.push_back(g);
-  decode.f16 = true;
-  decode.e4m3 = true;
-  decode.dense = true;
-  decode.qsa = true;
-  return {decode};
+  for (AttentionRouteLimits* route : {&prefill, &decode}) {
+    route->head_dims = {64, 128, 256};
+    route->block_sizes = {8, 16, 32, 64, 128, 256};
+    for (int64_t g = 1; g <= 16; ++g) route->gqa_groups.push_back(g);
+    route->f16 = true;
+    route->e4m3 = true;
+    route->dense = true;
+    route->qsa = true;
+  }
+  return {prefill, decode};
 }
 
 }  // namespace e4kv

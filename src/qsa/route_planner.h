@@ -105,9 +105,9 @@ Status check_route_plan(std::span<const AttentionRouteLimits> routes,
 // engine plans with cuda_attention_routes() (below) on the GPU.
 std::vector<AttentionRouteLimits> reference_attention_routes();
 
-// The routes of the CUDA kernels that exist today: the paged decode attention kernel takes every
-// row (decode rows and prefill-chunk rows alike, one row per tile). Its limits are the kernel's
-// (paged_decode_attention.cuh). TODO(#5): a tensor-core prefill route for chunks.
+// The routes of the CUDA kernels, in preference order: "cuda_prefill" (paged_prefill_attention.cuh)
+// takes runs of 2..64 rows of one sequence, "cuda_decode" (paged_decode_attention.cuh) every
+// remaining row, one per tile. Their limits are the kernels'.
 std::vector<AttentionRouteLimits> cuda_attention_routes();
 
 }  // namespace e4kv

@@ -327,6 +327,7 @@ TEST(RoutePlannerCuda, EveryKernelShapeAndLayoutIsPlanned) {
           for (bool qsa : {false, true}) {
             const AttentionRouteShape shape{head_dim, block_size, dtype, qsa, group};
             ASSERT_TRUE(routes[0].supports(shape));
+            ASSERT_TRUE(routes[1].supports(shape));
             // 46-row catch-up chunk plus three decode rows, then a random layout.
             std::vector<int32_t> row_seq;
             std::vector<int32_t> row_pos;
@@ -345,7 +346,11 @@ TEST(RoutePlannerCuda, EveryKernelShapeAndLayoutIsPlanned) {
             ASSERT_TRUE(plan.ok()) << plan.message();
             const Status checked = check_route_plan(routes, shape, rows, *plan);
             EXPECT_TRUE(checked.ok()) << checked.message();
-            EXPECT_EQ(int64_t(plan->tiles.size()), rows.n_rows);
+            // The 46-row chunk goes to the prefill route (one tile), every single row to decode.
+            ASSERT_GE(plan->launches.size(), 2u);
+            EXPECT_EQ(routes[plan->launches[0].route].name, "cuda_prefill");
+            EXPECT_EQ(plan->launches[0].n_rows, 46);
+            EXPECT_EQ(int64_t(plan->tiles.size()), rows.n_rows - 45);
           }
         }
       }

@@ -1,0 +1,53 @@
+// The CUDA attention op: plans one batch's query rows over the CUDA routes (qsa/route_planner.h:
+// tensor-core prefill tiles for runs of rows of one sequence, the split-K decode kernel for single
+// rows) and launches each route. Host-only header.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/attention_params.h"
+#include "backend/cuda/paged_prefill_attention.cuh"
+#include "core/status.h"
+#include "qsa/route_planner.h"
+
+namespace e4kv::cuda {
+
+// Owns the decode workspace and the prefill item list, grown on demand. Not copyable; one per
+// stream (launches reuse the buffers).
+class PagedAttentionRunner {
+ public:
+  // device: the CUDA device the launches run on. E4M3 caches use the native conversion where
+  // decode_attention_native_e4m3_usable(device), unless force_software_e4m3.
+  explicit PagedAttentionRunner(int device, bool force_software_e4m3 = false);
+  ~PagedAttentionRunner();
+  PagedAttentionRunner(const PagedAttentionRunner&) = delete;
+  PagedAttentionRunner& operator=(const PagedAttentionRunner&) = delete;
+
+  bool native_e4m3() const { return native_e4m3_; }
+
+  // out = attention of every row, as paged_attention (CPU) computes it. params: device pointers.
+  // host_rows: the same rows on the host: n_rows, row_seq and row_pos are read; sel_counts when
+  // given (QSA), else sel_width bounds each row's keys. Errors: shapes outside the routes' limits.
+  Status run(const PagedAttentionParams& params, const QueryBatchView& host_rows,
+             cudaStream_t stream);
+
+  // The plan of the last run(), for tests and logs.
+  const RoutePlan& last_plan() const { return plan_; }
+
+ private:
+  int device_ = 0;
+  int n_sms_ = 1;
+  bool native_e4m3_ = false;
+  std::vector<AttentionRouteLimits> routes_;
+  RoutePlan plan_;
+  std::vector<PrefillAttentionItem> items_;
+  PrefillAttentionItem* d_items_ = nullptr;
+  size_t d_items_capacity_ = 0;
+  float* d_workspace_ = nullptr;
+  size_t d_workspace_floats_ = 0;
+};
+
+}  // namespace e4kv::cuda
