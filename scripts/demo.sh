@@ -4,7 +4,8 @@
 #
 # Until the model runtime lands, the calibration statistics are SYNTHETIC (Gaussian K/V rows with
 # outlier channels, rounded to FP16, from `e4kv synth-stats`); every later step is the real one:
-# summarize -> overlay -> verify (the start-up gate) -> inspect -> capacity.
+# summarize -> overlay -> verify (the start-up gate) -> inspect -> capacity. Then the dense runtime
+# generates with an FP16 and an E4M3 cache.
 set -euo pipefail
 BUILD=${1:-build}
 E4KV="$BUILD/e4kv"
@@ -45,5 +46,14 @@ step "7. inspect the derived checkpoint"
 
 step "8. KV cache capacity at 1 GiB, FP16 vs E4M3"
 "$E4KV" capacity "$DERIVED" --budget-gib 1 --request-tokens 4096
+
+step "9. the dense runtime: a Llama-shaped checkpoint with random weights and a tokenizer"
+DENSE="$WORK/llama-tiny"
+"$E4KV" synth-checkpoint "$DENSE" --family llama --head-dim 64 --with-kv-scales
+echo "-- FP16 cache"
+"$E4KV" generate "$DENSE" --prompt "The cache" --max-tokens 12 --json
+echo "-- E4M3 cache, the checkpoint's per-layer scales through the gate (random weights, so the"
+echo "   scales are synthetic too)"
+"$E4KV" generate "$DENSE" --prompt "The cache" --max-tokens 12 --kv-cache-dtype fp8_e4m3 --json
 
 printf '\ndemo: done; files in %s (report: %s)\n' "$WORK" "$WORK/report/report.svg"

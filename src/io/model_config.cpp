@@ -193,6 +193,8 @@ Status read_rope_fields(const Fields& fields, RopeConfig& rope) {
   E4KV_ASSIGN_OR_RETURN(rope.attention_factor, fields.opt_positive_double("attention_factor"));
   E4KV_ASSIGN_OR_RETURN(rope.mscale, fields.opt_double("mscale"));
   E4KV_ASSIGN_OR_RETURN(rope.mscale_all_dim, fields.opt_double("mscale_all_dim"));
+  E4KV_ASSIGN_OR_RETURN(std::optional<bool> truncate, fields.opt_bool("truncate"));
+  if (truncate) rope.truncate = *truncate;
 
   // Each scaling type needs its own fields, as transformers' rope validation demands.
   const std::string& type = rope.type;

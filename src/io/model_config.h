@@ -41,6 +41,7 @@ struct RopeConfig {
   std::optional<double> attention_factor;
   std::optional<double> mscale;
   std::optional<double> mscale_all_dim;
+  bool truncate = true;  // yarn: round the correction range to whole dims (transformers' default)
 };
 
 struct QsaConfig {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
+#include "testing/synth_tokenizer.h"
 
 namespace e4kv {
 namespace {
@@ -74,6 +75,14 @@ enum class Init {
   kNormZero,  // 0.1 * uniform ((1 + w) form)
   kALog,      // log(uniform in [1, 16])
   kKvScale,   // positive, in [0.02, 0.04)
+  kBias,      // 0.1 * uniform
+  // Dense families: an embedding large next to the layers' outputs makes the next token depend on
+  // the current one, so greedy runs of a random model vary instead of settling on one token. Tied
+  // embeddings stay small: with logits x.E^T a large one makes the model repeat its input token.
+  // (A tied random model still tends to settle on one token; tests that need varied greedy runs
+  // use untied embeddings.)
+  kEmbedDense,  // 0.7 * uniform (std 0.4)
+  kEmbedTied,   // 0.1 * uniform
 };
 
 struct Spec {
@@ -116,6 +125,15 @@ SynthTensor make_tensor(const Spec& spec, uint64_t seed) {
         break;
       case Init::kKvScale:
         value = 0.03f + 0.01f * u;
+        break;
+      case Init::kBias:
+        value = 0.1f * u;
+        break;
+      case Init::kEmbedDense:
+        value = 0.7f * u;
+        break;
+      case Init::kEmbedTied:
+        value = 0.1f * u;
         break;
     }
     std::byte* dst = out.data.data() + static_cast<size_t>(i) * dtype_size(spec.dtype);
@@ -182,6 +200,24 @@ Status validate(const SynthCheckpointOptions& o) {
                                ") must be a multiple of index_ratio (", o.index_ratio, ")"));
     }
   }
+  if (o.with_tokenizer && o.vocab_size < kSynthTokenizerMinVocab) {
+    return Status::error(cat("synthetic checkpoint: the synthetic tokenizer needs at least ",
+                             kSynthTokenizerMinVocab, " ids, got vocab_size ", o.vocab_size));
+  }
+  if (o.rope_type != "default" && o.rope_type != "linear" && o.rope_type != "llama3" &&
+      o.rope_type != "yarn") {
+    return Status::error(cat("synthetic checkpoint: rope type \"", o.rope_type,
+                             "\" is not one of default, linear, llama3, yarn"));
+  }
+  if (o.family == SynthFamily::kQwen4Exp && o.rope_type != "default") {
+    return Status::error("synthetic checkpoint: qwen4exp uses the default rope type");
+  }
+  if (!(o.rope_theta > 1.0) || !(o.rope_factor >= 1.0) ||
+      o.rope_original_max_position_embeddings <= 0) {
+    return Status::error(
+        "synthetic checkpoint: rope_theta must be > 1, rope_factor >= 1 and "
+        "rope_original_max_position_embeddings > 0");
+  }
   return ok_status();
 }
 
@@ -200,9 +236,14 @@ std::vector<Spec> tensor_specs(const SynthCheckpointOptions& o) {
   const int64_t kv_dim = o.n_kv_heads * o.head_dim;
   const bool qwen = o.family == SynthFamily::kQwen4Exp;
   const Init norm = qwen ? Init::kNormZero : Init::kNormOne;
+  const bool qkv_bias = o.family == SynthFamily::kQwen2;
+  const bool qk_norm = o.family == SynthFamily::kQwen3;
 
   std::vector<Spec> specs;
-  specs.push_back({"model.embed_tokens.weight", {o.vocab_size, h}, Init::kEmbed, w});
+  const Init embed = qwen                    ? Init::kEmbed
+                     : o.tie_word_embeddings ? Init::kEmbedTied
+                                             : Init::kEmbedDense;
+  specs.push_back({"model.embed_tokens.weight", {o.vocab_size, h}, embed, w});
   for (int64_t i = 0; i < o.n_layers; ++i) {
     specs.push_back({layer_name(i, "input_layernorm.weight"), {h}, norm, w});
     if (!qwen || is_qsa_layer(i)) {
@@ -214,6 +255,15 @@ std::vector<Spec> tensor_specs(const SynthCheckpointOptions& o) {
       specs.push_back({layer_name(i, "self_attn.k_proj.weight"), {kv_dim, h}, Init::kLinear, w});
       specs.push_back({layer_name(i, "self_attn.v_proj.weight"), {kv_dim, h}, Init::kLinear, w});
       specs.push_back({layer_name(i, "self_attn.o_proj.weight"), {h, q_dim}, Init::kLinear, w});
+      if (qkv_bias) {
+        specs.push_back({layer_name(i, "self_attn.q_proj.bias"), {q_dim}, Init::kBias, w});
+        specs.push_back({layer_name(i, "self_attn.k_proj.bias"), {kv_dim}, Init::kBias, w});
+        specs.push_back({layer_name(i, "self_attn.v_proj.bias"), {kv_dim}, Init::kBias, w});
+      }
+      if (qk_norm) {
+        specs.push_back({layer_name(i, "self_attn.q_norm.weight"), {o.head_dim}, norm, w});
+        specs.push_back({layer_name(i, "self_attn.k_norm.weight"), {o.head_dim}, norm, w});
+      }
       if (qwen) {
         specs.push_back({layer_name(i, "self_attn.q_norm.weight"), {o.head_dim}, norm, w});
         specs.push_back({layer_name(i, "self_attn.k_norm.weight"), {o.head_dim}, norm, w});
@@ -282,8 +332,30 @@ std::string torch_dtype_name(DType dtype) {
 std::string config_json(const SynthCheckpointOptions& o) {
   ordered_json config;
   const bool qwen = o.family == SynthFamily::kQwen4Exp;
-  config["architectures"] = {qwen ? "Qwen4ExpForCausalLM" : "LlamaForCausalLM"};
-  config["model_type"] = qwen ? "qwen4_exp_text" : "llama";
+  const char* architecture = "LlamaForCausalLM";
+  const char* model_type = "llama";
+  switch (o.family) {
+    case SynthFamily::kLlama:
+      break;
+    case SynthFamily::kQwen4Exp:
+      architecture = "Qwen4ExpForCausalLM";
+      model_type = "qwen4_exp_text";
+      break;
+    case SynthFamily::kMistral:
+      architecture = "MistralForCausalLM";
+      model_type = "mistral";
+      break;
+    case SynthFamily::kQwen2:
+      architecture = "Qwen2ForCausalLM";
+      model_type = "qwen2";
+      break;
+    case SynthFamily::kQwen3:
+      architecture = "Qwen3ForCausalLM";
+      model_type = "qwen3";
+      break;
+  }
+  config["architectures"] = {architecture};
+  config["model_type"] = model_type;
   config["vocab_size"] = o.vocab_size;
   config["hidden_size"] = o.hidden_size;
   config["intermediate_size"] = o.intermediate_size;
@@ -317,8 +389,33 @@ std::string config_json(const SynthCheckpointOptions& o) {
     config["rope_parameters"] = {
         {"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}};
   } else {
-    config["rope_theta"] = 500000.0;
-    config["rope_scaling"] = nullptr;
+    config["rope_theta"] = o.rope_theta;
+    if (o.rope_type == "default") {
+      config["rope_scaling"] = nullptr;
+    } else {
+      ordered_json scaling = {{"rope_type", o.rope_type}, {"factor", o.rope_factor}};
+      if (o.rope_type == "llama3") {
+        scaling["low_freq_factor"] = 1.0;
+        scaling["high_freq_factor"] = 4.0;
+      }
+      if (o.rope_type == "yarn") {
+        scaling["beta_fast"] = 32.0;
+        scaling["beta_slow"] = 1.0;
+      }
+      if (o.rope_type == "llama3" || o.rope_type == "yarn") {
+        scaling["original_max_position_embeddings"] = o.rope_original_max_position_embeddings;
+      }
+      config["rope_scaling"] = std::move(scaling);
+    }
+    if (o.family == SynthFamily::kMistral) {
+      // Every layer slides over a window as long as the whole context: full attention in effect.
+      config["sliding_window"] = 4096;
+    }
+    if (o.family == SynthFamily::kQwen2) {
+      config["use_sliding_window"] = false;
+      config["sliding_window"] = nullptr;
+      config["max_window_layers"] = o.n_layers;
+    }
   }
   return config.dump(2) + "\n";
 }
@@ -362,12 +459,27 @@ Status write_text(const std::filesystem::path& path, const std::string& text) {
 Result<SynthFamily> parse_synth_family(std::string_view name) {
   if (name == "llama") return SynthFamily::kLlama;
   if (name == "qwen4exp") return SynthFamily::kQwen4Exp;
-  return Status::error(
-      cat("unknown synthetic model family \"", name, "\"; expected llama or qwen4exp"));
+  if (name == "mistral") return SynthFamily::kMistral;
+  if (name == "qwen2") return SynthFamily::kQwen2;
+  if (name == "qwen3") return SynthFamily::kQwen3;
+  return Status::error(cat("unknown synthetic model family \"", name,
+                           "\"; expected llama, mistral, qwen2, qwen3 or qwen4exp"));
 }
 
 std::string_view synth_family_name(SynthFamily family) {
-  return family == SynthFamily::kQwen4Exp ? "qwen4exp" : "llama";
+  switch (family) {
+    case SynthFamily::kLlama:
+      return "llama";
+    case SynthFamily::kQwen4Exp:
+      return "qwen4exp";
+    case SynthFamily::kMistral:
+      return "mistral";
+    case SynthFamily::kQwen2:
+      return "qwen2";
+    case SynthFamily::kQwen3:
+      return "qwen3";
+  }
+  return "";
 }
 
 Result<SynthCheckpoint> make_synth_checkpoint(const SynthCheckpointOptions& options) {
@@ -436,6 +548,7 @@ Status write_synth_checkpoint(const std::filesystem::path& dir,
     index["weight_map"] = std::move(weight_map);
     E4KV_RETURN_IF_ERROR(write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n"));
   }
+  if (options.with_tokenizer) E4KV_RETURN_IF_ERROR(write_synth_tokenizer(dir, options.vocab_size));
   return ok_status();
 }
 

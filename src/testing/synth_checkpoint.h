@@ -19,9 +19,12 @@ namespace e4kv {
 enum class SynthFamily {
   kLlama,     // LlamaForCausalLM: dense GQA, every layer full attention
   kQwen4Exp,  // Qwen4ExpForCausalLM text model: layer i is QSA when (i + 1) % 4 == 0, else linear
+  kMistral,   // MistralForCausalLM: as Llama, with a sliding window of max_position_embeddings
+  kQwen2,     // Qwen2ForCausalLM: as Llama, with q/k/v_proj biases
+  kQwen3,     // Qwen3ForCausalLM: as Llama, with per-head q_norm / k_norm before RoPE
 };
 
-// "llama" | "qwen4exp".
+// "llama" | "qwen4exp" | "mistral" | "qwen2" | "qwen3".
 Result<SynthFamily> parse_synth_family(std::string_view name);
 std::string_view synth_family_name(SynthFamily family);
 
@@ -38,7 +41,20 @@ struct SynthCheckpointOptions {
   int64_t n_shards = 1;        // 1: model.safetensors; more: model-0000k-of-0000n + index
   bool tie_word_embeddings = false;
   bool with_kv_scales = false;  // canonical self_attn.{k,v}_scale F32 scalars on KV-cache layers
+  // write_synth_checkpoint also writes the synthetic tokenizer (testing/synth_tokenizer.h:
+  // tokenizer.json, tokenizer_config.json); needs vocab_size >= kSynthTokenizerMinVocab.
+  bool with_tokenizer = false;
   uint64_t seed = 0;
+
+  // Dense families: the RoPE of config.json. "default" (rope_scaling null), "linear" (factor),
+  // "llama3" (factor, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings) or
+  // "yarn" (factor, beta_fast 32, beta_slow 1, original_max_position_embeddings).
+  // max_position_embeddings is 4096; keep rope_original_max_position_embeddings * rope_factor at
+  // 4096 so yarn's factor reads the same whichever of the two a reader takes.
+  std::string rope_type = "default";
+  double rope_theta = 500000.0;
+  double rope_factor = 4.0;
+  int64_t rope_original_max_position_embeddings = 1024;
 
   // Qwen4Exp only: the QSA indexer (DESIGN.md section 4) and the linear-attention geometry.
   int64_t index_heads = 4;
@@ -72,7 +88,8 @@ struct SynthCheckpoint {
 Result<SynthCheckpoint> make_synth_checkpoint(const SynthCheckpointOptions& options);
 
 // Writes make_synth_checkpoint(options) into `dir` (created if needed): config.json, the
-// safetensors file(s) and, when sharded, model.safetensors.index.json.
+// safetensors file(s), when sharded model.safetensors.index.json, and with_tokenizer the
+// tokenizer files.
 Status write_synth_checkpoint(const std::filesystem::path& dir,
                               const SynthCheckpointOptions& options);
 

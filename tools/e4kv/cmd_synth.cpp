@@ -9,6 +9,7 @@
 #include "core/dtype.h"
 #include "io/checkpoint.h"
 #include "testing/synth_checkpoint.h"
+#include "testing/synth_tokenizer.h"
 
 namespace e4kv::cli {
 namespace {
@@ -27,6 +28,8 @@ struct SynthArgs {
   int64_t head_dim = SynthCheckpointOptions{}.head_dim;
   int64_t vocab_size = SynthCheckpointOptions{}.vocab_size;
   bool tie_embeddings = false;
+  bool no_tokenizer = false;
+  std::string rope_type = "default";
 };
 
 Result<DType> parse_weight_dtype(const std::string& name) {
@@ -50,6 +53,14 @@ Status run_synth(const SynthArgs& args) {
   options.n_kv_heads = args.kv_heads;
   options.head_dim = args.head_dim;
   options.vocab_size = args.vocab_size;
+  options.rope_type = args.rope_type;
+  options.with_tokenizer = !args.no_tokenizer;
+  if (options.with_tokenizer && options.vocab_size < kSynthTokenizerMinVocab) {
+    return Status::error(cat("--vocab ", options.vocab_size, " is below the ",
+                             kSynthTokenizerMinVocab,
+                             " ids the synthetic tokenizer needs; raise --vocab or pass "
+                             "--no-tokenizer"));
+  }
 
   const std::filesystem::path dir(args.out_dir);
   std::error_code ec;
@@ -106,8 +117,15 @@ void add_synth_command(CLI::App& app, Status& result) {
   auto args = std::make_shared<SynthArgs>();
   cmd->add_option("OUT_DIR", args->out_dir, "Directory to create (must not exist or be empty)")
       ->required();
-  cmd->add_option("--family", args->family, "llama (dense GQA) or qwen4exp (QSA + linear)")
+  cmd->add_option("--family", args->family,
+                  "llama, mistral, qwen2 (QKV bias), qwen3 (q/k norm): dense GQA; qwen4exp: QSA + "
+                  "linear attention")
       ->capture_default_str();
+  cmd->add_option("--rope-type", args->rope_type,
+                  "Dense families: default, linear, llama3 or yarn RoPE")
+      ->capture_default_str();
+  cmd->add_flag("--no-tokenizer", args->no_tokenizer,
+                "Do not write the synthetic tokenizer (tokenizer.json, tokenizer_config.json)");
   cmd->add_option_function<int64_t>(
       "--layers", [args](const int64_t& n) { args->layers = n; },
       "Number of layers (default: llama 4, qwen4exp 8)");

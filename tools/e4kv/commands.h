@@ -15,5 +15,10 @@ void add_synth_stats_command(CLI::App& app, Status& result);
 void add_summarize_command(CLI::App& app, Status& result);
 void add_overlay_command(CLI::App& app, Status& result);
 void add_verify_command(CLI::App& app, Status& result);
+// tokenize and detokenize (cmd_tokenize.cpp).
+void add_tokenize_commands(CLI::App& app, Status& result);
+// The dense model runtime (cmd_generate.cpp, cmd_logits.cpp).
+void add_generate_command(CLI::App& app, Status& result);
+void add_logits_command(CLI::App& app, Status& result);
 
 }  // namespace e4kv::cli

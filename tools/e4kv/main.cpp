@@ -19,6 +19,9 @@ int main(int argc, char** argv) {
   e4kv::cli::add_summarize_command(app, result);
   e4kv::cli::add_overlay_command(app, result);
   e4kv::cli::add_verify_command(app, result);
+  e4kv::cli::add_tokenize_commands(app, result);
+  e4kv::cli::add_generate_command(app, result);
+  e4kv::cli::add_logits_command(app, result);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,168 @@
+// The op set the model runtime runs on: one abstract Backend with a CPU implementation
+// (backend/cpu/cpu_backend.h, the oracle) and a CUDA one. Ops work on plain pointers into backend
+// memory; shapes are given on every pointer. No CUDA header here.
+//
+// Contract shared by every backend:
+//   - Asynchrony: ops and copy_from_host are ordered with each other (a CUDA backend runs them on
+//     one stream) and may return before they finish. An op never reads backend data on the host;
+//     the per-batch metadata (ids, positions, slot mapping, block tables, cos/sin tables, row
+//     lists) is built on the host by the model and copied in with copy_from_host first.
+//     copy_to_host and synchronize wait for every earlier op.
+//   - Activation dtype: act_dtype() is the element type of activations and of uploaded weights:
+//     kF32 on the CPU (weights widened from F16/BF16 at upload), kF16 on CUDA (BF16 converted at
+//     upload; accumulation in fp32). Pointers documented as "act" hold act_dtype() elements.
+//   - Errors: ops return a Status for shapes a backend does not support (a CUDA kernel's limits);
+//     out-of-range indices are the caller's bug (the model validates metadata on the host first).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "backend/attention_params.h"
+#include "backend/cpu/norm_rope.h"
+#include "core/dtype.h"
+#include "core/status.h"
+#include "io/safetensors.h"
+#include "kv/kv_cache_view.h"
+
+namespace e4kv {
+
+class Backend;
+
+// An allocation in a backend's memory, freed through that backend. Move-only.
+class BackendBuffer {
+ public:
+  BackendBuffer() = default;
+  BackendBuffer(Backend* backend, void* data, size_t bytes)
+      : backend_(backend), data_(data), bytes_(bytes) {}
+  ~BackendBuffer() { reset(); }
+  BackendBuffer(BackendBuffer&& other) noexcept
+      : backend_(std::exchange(other.backend_, nullptr)),
+        data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)) {}
+  BackendBuffer& operator=(BackendBuffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      backend_ = std::exchange(other.backend_, nullptr);
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  BackendBuffer(const BackendBuffer&) = delete;
+  BackendBuffer& operator=(const BackendBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return data_ == nullptr; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  void reset();
+
+ private:
+  Backend* backend_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu", "cuda:0", ... for messages.
+  virtual std::string name() const = 0;
+  // kF32 or kF16: activations and weights (see the contract above).
+  virtual DType act_dtype() const = 0;
+  size_t act_size() const { return dtype_size(act_dtype()); }
+
+  // ---- memory ----
+  // `bytes` of backend memory, zero-filled. An error names the size when memory is short.
+  virtual Result<BackendBuffer> allocate(size_t bytes) = 0;
+  // dst (backend) <- src (host). The host memory may be reused as soon as the call returns.
+  virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  // dst (host) <- src (backend), after every earlier op has finished.
+  virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  // Zero-fills `bytes` of backend memory (ordered with the ops).
+  virtual void fill_zero(void* dst, size_t bytes) = 0;
+  // Waits for every earlier op.
+  virtual void synchronize() = 0;
+  // Uploads a checkpoint tensor (F32, F16 or BF16; any shape, numel elements) converted to
+  // act_dtype(). Errors name the tensor: another dtype; for a kF16 backend, a finite value beyond
+  // the FP16 range (|x| > 65504 after rounding) in an F32 or BF16 tensor.
+  virtual Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) = 0;
+
+  // ---- ops (all pointers in backend memory) ----
+
+  // out[i] = table[index[i]].
+  // table: [n_table, dim] act; index: [n] int32, each in [0, n_table); out: [n, dim] act
+  virtual Status gather_rows(const void* table, const int32_t* index, int64_t n, int64_t dim,
+                             void* out) = 0;
+
+  // Row-wise RMSNorm: out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * g, g = weight (kWeight) or
+  // 1 + weight (kOnePlusWeight); mean and rsqrt in fp32. Per-head q/k norms view [n, heads, dim]
+  // as [n * heads, dim].
+  // x: [n_rows, dim] act; weight: [dim] act; out: [n_rows, dim] act (may alias x)
+  virtual Status rms_norm(const void* x, const void* weight, int64_t n_rows, int64_t dim, float eps,
+                          RmsNormForm form, void* out) = 0;
+
+  // y = x W^T (+ bias), fp32 accumulation.
+  // x: [n, in] act; w: [out, in] act (the checkpoint's row-major layout); bias: [out] act or
+  // nullptr; y: [n, out] of y_dtype, which is act_dtype() or kF32 (logits)
+  virtual Status linear(const void* x, const void* w, const void* bias, int64_t n, int64_t in,
+                        int64_t out, void* y, DType y_dtype) = 0;
+
+  // In-place partial NeoX RoPE (rotate-half): for each row r, head h and i < rotary_dim / 2, with
+  // a = x[r, h, i], b = x[r, h, i + rotary_dim / 2], c = cos[r, i], s = sin[r, i]:
+  //   x[r, h, i] = a * c - b * s;  x[r, h, i + rotary_dim / 2] = b * c + a * s
+  // (fp32 math); dims [rotary_dim, head_dim) are unchanged. The tables come from the host (any
+  // scaling type and attention factor already folded in).
+  // x: [n_rows, n_heads, head_dim] act; cos, sin: [n_rows, rotary_dim / 2] fp32
+  virtual Status rope_neox(void* x, const float* cos, const float* sin, int64_t n_rows,
+                           int64_t n_heads, int64_t head_dim, int64_t rotary_dim) = 0;
+
+  // out = silu(gate) * up, silu(g) = g / (1 + exp(-g)), fp32 math.
+  // gate, up, out: [n] act (out may alias gate or up)
+  virtual Status silu_mul(const void* gate, const void* up, void* out, int64_t n) = 0;
+
+  // x += y. x, y: [n] act
+  virtual Status add(void* x, const void* y, int64_t n) = 0;
+
+  // dst = src converted element-wise (round to nearest even). Supported pairs: act -> kF16 (q, k,
+  // v for the cache and attention), kF32 -> act (attention output), and a dtype to itself.
+  // src: [n] of src_dtype; dst: [n] of dst_dtype (FP16 as uint16_t bits)
+  virtual Status convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                         int64_t n) = 0;
+
+  // Writes K/V token rows into one layer's paged cache, exactly as backend/cpu/cache_write.h
+  // defines it (FP16 stored as is; E4M3 = e4m3_satfinite_rne(x / scale)).
+  // k, v: [n_tokens, n_kv_heads, head_dim] FP16 bits; slot_mapping: [n_tokens] int64, -1 = skip;
+  // non_finite: [2] (K, V) counters of inf/NaN inputs, accumulated (zero them with fill_zero)
+  virtual Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                             const int64_t* slot_mapping, int64_t n_tokens,
+                             unsigned long long* non_finite) = 0;
+
+  // params.out = paged attention of every row (backend/cpu/attention.h is the definition): q FP16
+  // bits after norm and RoPE, out fp32 [n_rows, n_heads, head_dim]. host_rows: the same rows with
+  // host pointers (row_seq, row_pos, seq_lens; sel_* for QSA) so the backend plans the launch
+  // (routes, split-K) on the host without reading backend memory.
+  virtual Status paged_attention(const PagedAttentionParams& params,
+                                 const QueryBatchView& host_rows) = 0;
+
+ protected:
+  friend class BackendBuffer;
+  // Frees an allocation made by allocate() or upload_weight().
+  virtual void release(void* data) = 0;
+};
+
+inline void BackendBuffer::reset() {
+  if (backend_ != nullptr && data_ != nullptr) backend_->release(data_);
+  backend_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+}  // namespace e4kv

@@ -1,0 +1,285 @@
+#include "backend/cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/cache_write.h"
+#include "core/half.h"
+
+namespace e4kv {
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+// Runs fn(begin, end) over [0, n) cut into at most n_threads contiguous ranges of at least
+// min_per_thread items; small jobs run inline.
+template <class Fn>
+void parallel_for(int n_threads, int64_t n, int64_t min_per_thread, const Fn& fn) {
+  if (n <= 0) return;
+  const int64_t by_size = (n + min_per_thread - 1) / std::max<int64_t>(1, min_per_thread);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(n_threads, by_size));
+  if (parts == 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + parts - 1) / parts;
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(parts - 1));
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t begin = p * chunk;
+    const int64_t end = std::min(n, begin + chunk);
+    if (begin >= end) break;
+    threads.emplace_back([&fn, begin, end] { fn(begin, end); });
+  }
+  fn(int64_t{0}, std::min(n, chunk));
+  for (std::thread& t : threads) t.join();
+}
+
+uint16_t load_u16_le(const std::byte* p) {
+  return static_cast<uint16_t>(static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8));
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& options) {
+    n_threads_ = options.n_threads > 0
+                     ? options.n_threads
+                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+
+  std::string name() const override { return "cpu"; }
+  DType act_dtype() const override { return DType::kF32; }
+
+  Result<BackendBuffer> allocate(size_t bytes) override {
+    const size_t rounded =
+        std::max<size_t>(kAlignment, (bytes + kAlignment - 1) & ~(kAlignment - 1));
+    void* data = std::aligned_alloc(kAlignment, rounded);
+    if (data == nullptr) {
+      return Status::error(cat("cpu backend: cannot allocate ", bytes, " bytes of host memory"));
+    }
+    std::memset(data, 0, rounded);
+    return BackendBuffer(this, data, bytes);
+  }
+
+  void copy_from_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void fill_zero(void* dst, size_t bytes) override {
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
+  void synchronize() override {}
+
+  Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) override {
+    const int64_t n = tensor.numel();
+    if (tensor.dtype != DType::kF32 && tensor.dtype != DType::kF16 &&
+        tensor.dtype != DType::kBF16) {
+      return Status::error(cat("tensor ", tensor.name, " has dtype ", dtype_name(tensor.dtype),
+                               "; the dense runtime loads F32, F16 or BF16 weights"));
+    }
+    E4KV_ASSIGN_OR_RETURN(BackendBuffer buffer, allocate(static_cast<size_t>(n) * sizeof(float)));
+    float* out = buffer.as<float>();
+    const std::byte* in = tensor.bytes.data();
+    if (tensor.dtype == DType::kF32) {
+      std::memcpy(out, in, static_cast<size_t>(n) * sizeof(float));
+    } else if (tensor.dtype == DType::kF16) {
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16_le(in + 2 * i));
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16_le(in + 2 * i));
+    }
+    return buffer;
+  }
+
+  Status gather_rows(const void* table, const int32_t* index, int64_t n, int64_t dim,
+                     void* out) override {
+    const float* src = static_cast<const float*>(table);
+    float* dst = static_cast<float*>(out);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(dst + i * dim, src + int64_t(index[i]) * dim, size_t(dim) * sizeof(float));
+    }
+    return ok_status();
+  }
+
+  Status rms_norm(const void* x, const void* weight, int64_t n_rows, int64_t dim, float eps,
+                  RmsNormForm form, void* out) override {
+    const float* in = static_cast<const float*>(x);
+    const float* w = static_cast<const float*>(weight);
+    float* o = static_cast<float*>(out);
+    parallel_for(n_threads_, n_rows, rows_per_thread(dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = in + r * dim;
+        float sum_squares = 0.0f;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float square = row[j] * row[j];
+          sum_squares += square;
+        }
+        const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(dim) + eps);
+        float* dst = o + r * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float gain = form == RmsNormForm::kOnePlusWeight ? 1.0f + w[j] : w[j];
+          const float normed = row[j] * inv_rms;
+          dst[j] = normed * gain;
+        }
+      }
+    });
+    return ok_status();
+  }
+
+  Status linear(const void* x, const void* w, const void* bias, int64_t n, int64_t in, int64_t out,
+                void* y, DType y_dtype) override {
+    E4KV_ASSERT(y_dtype == DType::kF32, "cpu linear: y_dtype must be F32");
+    if (n == 0) return ok_status();
+    float* yf = static_cast<float*>(y);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(n),
+                static_cast<blasint>(out), static_cast<blasint>(in), 1.0f,
+                static_cast<const float*>(x), static_cast<blasint>(in),
+                static_cast<const float*>(w), static_cast<blasint>(in), 0.0f, yf,
+                static_cast<blasint>(out));
+    if (bias != nullptr) {
+      const float* b = static_cast<const float*>(bias);
+      for (int64_t r = 0; r < n; ++r) {
+        float* row = yf + r * out;
+        for (int64_t j = 0; j < out; ++j) row[j] += b[j];
+      }
+    }
+    return ok_status();
+  }
+
+  Status rope_neox(void* x, const float* cos, const float* sin, int64_t n_rows, int64_t n_heads,
+                   int64_t head_dim, int64_t rotary_dim) override {
+    E4KV_ASSERT(rotary_dim % 2 == 0 && rotary_dim <= head_dim, "rope_neox: bad rotary_dim");
+    float* data = static_cast<float*>(x);
+    const int64_t half = rotary_dim / 2;
+    parallel_for(n_threads_, n_rows, rows_per_thread(n_heads * head_dim),
+                 [&](int64_t begin, int64_t end) {
+                   for (int64_t r = begin; r < end; ++r) {
+                     const float* c = cos + r * half;
+                     const float* s = sin + r * half;
+                     for (int64_t h = 0; h < n_heads; ++h) {
+                       float* row = data + (r * n_heads + h) * head_dim;
+                       for (int64_t i = 0; i < half; ++i) {
+                         const float a = row[i];
+                         const float b = row[i + half];
+                         const float ac = a * c[i];
+                         const float bs = b * s[i];
+                         const float bc = b * c[i];
+                         const float as = a * s[i];
+                         row[i] = ac - bs;
+                         row[i + half] = bc + as;
+                       }
+                     }
+                   }
+                 });
+    return ok_status();
+  }
+
+  Status silu_mul(const void* gate, const void* up, void* out, int64_t n) override {
+    const float* g = static_cast<const float*>(gate);
+    const float* u = static_cast<const float*>(up);
+    float* o = static_cast<float*>(out);
+    parallel_for(n_threads_, n, kElemsPerThread, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float silu = g[i] / (1.0f + std::exp(-g[i]));
+        o[i] = silu * u[i];
+      }
+    });
+    return ok_status();
+  }
+
+  Status add(void* x, const void* y, int64_t n) override {
+    float* a = static_cast<float*>(x);
+    const float* b = static_cast<const float*>(y);
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+    return ok_status();
+  }
+
+  Status convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) override {
+    if (src_dtype == dst_dtype) {
+      std::memmove(dst, src, static_cast<size_t>(n) * dtype_size(src_dtype));
+      return ok_status();
+    }
+    if (src_dtype == DType::kF32 && dst_dtype == DType::kF16) {
+      const float* in = static_cast<const float*>(src);
+      uint16_t* out = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(in[i]);
+      return ok_status();
+    }
+    if (src_dtype == DType::kF16 && dst_dtype == DType::kF32) {
+      const uint16_t* in = static_cast<const uint16_t*>(src);
+      float* out = static_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(in[i]);
+      return ok_status();
+    }
+    return Status::error(cat("cpu backend: no conversion from ", dtype_name(src_dtype), " to ",
+                             dtype_name(dst_dtype)));
+  }
+
+  Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
+                     const int64_t* slot_mapping, int64_t n_tokens,
+                     unsigned long long* non_finite) override {
+    const CacheWriteStats stats = e4kv::cache_write(cache, k, v, slot_mapping, n_tokens);
+    if (non_finite != nullptr) {
+      non_finite[0] += static_cast<unsigned long long>(stats.k_non_finite);
+      non_finite[1] += static_cast<unsigned long long>(stats.v_non_finite);
+    }
+    return ok_status();
+  }
+
+  Status paged_attention(const PagedAttentionParams& params,
+                         const QueryBatchView& /*host_rows*/) override {
+    E4KV_RETURN_IF_ERROR(validate_paged_attention(params, /*need_out=*/true));
+    const int64_t n_rows = params.rows.n_rows;
+    const int64_t row_elems = params.n_heads * params.cache.geometry.head_dim;
+    // Rows are independent: each thread runs the reference over a contiguous subset of them.
+    std::mutex mutex;
+    Status first_error;
+    parallel_for(n_threads_, n_rows, 1, [&](int64_t begin, int64_t end) {
+      PagedAttentionParams part = params;
+      part.rows.n_rows = end - begin;
+      part.rows.row_seq += begin;
+      part.rows.row_pos += begin;
+      if (part.rows.sel_tokens != nullptr) {
+        part.rows.sel_tokens += begin * part.rows.sel_width;
+        part.rows.sel_counts += begin;
+      }
+      part.q += begin * row_elems;
+      if (part.gate != nullptr) part.gate += begin * row_elems;
+      part.out += begin * row_elems;
+      Status status = e4kv::paged_attention(part);
+      if (!status.ok()) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (first_error.ok()) first_error = std::move(status);
+      }
+    });
+    return first_error;
+  }
+
+ protected:
+  void release(void* data) override { std::free(data); }
+
+ private:
+  static constexpr int64_t kElemsPerThread = 1 << 15;
+  static int64_t rows_per_thread(int64_t row_elems) {
+    return std::max<int64_t>(1, kElemsPerThread / std::max<int64_t>(1, row_elems));
+  }
+
+  int n_threads_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
+}
+
+}  // namespace e4kv

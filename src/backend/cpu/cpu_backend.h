@@ -1,0 +1,21 @@
+// The CPU implementation of Backend: fp32 activations and weights, OpenBLAS sgemm for linear, the
+// reference cache write and paged attention (the oracles) for the cache, a small parallel-for over
+// rows for the rest. Synchronous: every op has finished when it returns.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "backend/backend.h"
+
+namespace e4kv {
+
+struct CpuBackendOptions {
+  // Threads for the row-parallel ops (norm, RoPE, attention, elementwise); 0: one per hardware
+  // thread. OpenBLAS keeps its own thread setting (OPENBLAS_NUM_THREADS).
+  int n_threads = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options = {});
+
+}  // namespace e4kv

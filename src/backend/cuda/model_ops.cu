@@ -1,0 +1,170 @@
+// The small FP16 ops of the model runtime (see model_ops.cuh). All are memory-bound and simple:
+// grid-stride elementwise kernels, one warp per row for RMSNorm, one thread per rotated pair for
+// RoPE. fp32 math throughout; FP16 results are rounded once (round to nearest even).
+#include "backend/cuda/model_ops.cuh"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "backend/cuda/cuda_check.h"
+
+namespace e4kv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float h2f(uint16_t h) {
+  return __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ uint16_t f2h(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+
+unsigned grid_for(int64_t n) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65536));
+}
+
+__global__ void gather_rows_kernel(const uint16_t* table, const int32_t* index, int64_t n,
+                                   int64_t dim, uint16_t* out) {
+  const int64_t total = n * dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / dim;
+    out[i] = table[int64_t(index[row]) * dim + i % dim];
+  }
+}
+
+// One warp per row: sum of squares in fp32, then x * r * g.
+__global__ void rms_norm_kernel(const uint16_t* x, const uint16_t* weight, int64_t n_rows,
+                                int64_t dim, float eps, bool one_plus, uint16_t* out) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n_rows) return;
+  const uint16_t* xr = x + row * dim;
+  float ss = 0.0f;
+  for (int64_t j = lane; j < dim; j += 32) {
+    const float v = h2f(xr[j]);
+    ss += v * v;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, off);
+  const float r = 1.0f / sqrtf(ss / float(dim) + eps);
+  uint16_t* yr = out + row * dim;
+  for (int64_t j = lane; j < dim; j += 32) {
+    const float w = h2f(weight[j]);
+    yr[j] = f2h(h2f(xr[j]) * r * (one_plus ? 1.0f + w : w));
+  }
+}
+
+__global__ void rope_neox_kernel(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
+                                 int64_t n_heads, int64_t head_dim, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  const int64_t total = n_rows * n_heads * half;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t k = i % half;
+    const int64_t rh = i / half;  // row * n_heads + head
+    const int64_t row = rh / n_heads;
+    uint16_t* xh = x + rh * head_dim;
+    const float a = h2f(xh[k]);
+    const float b = h2f(xh[k + half]);
+    const float c = cos[row * half + k];
+    const float s = sin[row * half + k];
+    xh[k] = f2h(a * c - b * s);
+    xh[k + half] = f2h(b * c + a * s);
+  }
+}
+
+__global__ void silu_mul_kernel(const uint16_t* gate, const uint16_t* up, uint16_t* out,
+                                int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float g = h2f(gate[i]);
+    out[i] = f2h(g / (1.0f + expf(-g)) * h2f(up[i]));
+  }
+}
+
+__global__ void add_kernel(uint16_t* x, const uint16_t* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = f2h(h2f(x[i]) + h2f(y[i]));
+  }
+}
+
+__global__ void f32_to_f16_kernel(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    dst[i] = f2h(src[i]);
+  }
+}
+
+__global__ void broadcast_bias_kernel(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y,
+                                      bool y_f32) {
+  const int64_t total = n_rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint16_t b = bias[i % cols];
+    if (y_f32) {
+      static_cast<float*>(y)[i] = h2f(b);
+    } else {
+      static_cast<uint16_t*>(y)[i] = b;
+    }
+  }
+}
+
+}  // namespace
+
+void gather_rows_f16(const uint16_t* table, const int32_t* index, int64_t n, int64_t dim,
+                     uint16_t* out, cudaStream_t stream) {
+  if (n * dim == 0) return;
+  gather_rows_kernel<<<grid_for(n * dim), kThreads, 0, stream>>>(table, index, n, dim, out);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int64_t dim, float eps,
+                  RmsNormForm form, uint16_t* out, cudaStream_t stream) {
+  if (n_rows == 0) return;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  const unsigned grid = static_cast<unsigned>((n_rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  rms_norm_kernel<<<grid, kThreads, 0, stream>>>(x, weight, n_rows, dim, eps,
+                                                 form == RmsNormForm::kOnePlusWeight, out);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void rope_neox_f16(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
+                   int64_t n_heads, int64_t head_dim, int64_t rotary_dim, cudaStream_t stream) {
+  const int64_t total = n_rows * n_heads * (rotary_dim / 2);
+  if (total == 0) return;
+  rope_neox_kernel<<<grid_for(total), kThreads, 0, stream>>>(x, cos, sin, n_rows, n_heads,
+                                                             head_dim, rotary_dim);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void silu_mul_f16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n,
+                  cudaStream_t stream) {
+  if (n == 0) return;
+  silu_mul_kernel<<<grid_for(n), kThreads, 0, stream>>>(gate, up, out, n);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void add_f16(uint16_t* x, const uint16_t* y, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void f32_to_f16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  f32_to_f16_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, dst, n);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+void broadcast_bias(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y, bool y_f32,
+                    cudaStream_t stream) {
+  if (n_rows * cols == 0) return;
+  broadcast_bias_kernel<<<grid_for(n_rows * cols), kThreads, 0, stream>>>(bias, n_rows, cols, y,
+                                                                          y_f32);
+  E4KV_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace e4kv::cuda

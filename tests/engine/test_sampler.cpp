@@ -1,0 +1,148 @@
+// The sampler: greedy tie-break, seeded reproducibility, top-k / top-p distributions computed by
+// hand, and draw frequencies.
+#include "engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace e4kv {
+namespace {
+
+std::vector<float> log_probs(const std::vector<double>& p) {
+  std::vector<float> out;
+  for (double x : p) out.push_back(static_cast<float>(std::log(x)));
+  return out;
+}
+
+TEST(Sampler, GreedyIsArgmaxWithLowestIndexTieBreak) {
+  const std::vector<float> logits{1.0f, 3.0f, 3.0f, 2.0f, -1.0f};
+  EXPECT_EQ(argmax_logit(logits), 1);
+  Sampler greedy(SamplingParams{});
+  EXPECT_EQ(greedy.sample(logits), 1);
+  const std::vector<float> with_nan{std::numeric_limits<float>::quiet_NaN(), 0.5f, 0.25f};
+  EXPECT_EQ(argmax_logit(with_nan), 1);
+  EXPECT_EQ(argmax_logit(std::vector<float>{}), -1);
+}
+
+TEST(Sampler, TopKOneIsGreedy) {
+  const std::vector<float> logits{0.1f, 0.7f, 0.7f, 0.3f};
+  SamplingParams params;
+  params.temperature = 1.5;
+  params.top_k = 1;
+  params.seed = 42;
+  Sampler sampler(params);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sampler.sample(logits), 1);
+}
+
+TEST(Sampler, SeededSamplingIsReproducible) {
+  const std::vector<float> logits{0.0f, 0.5f, 1.0f, 0.2f, -0.3f, 0.9f};
+  SamplingParams params;
+  params.temperature = 1.0;
+  params.seed = 1234;
+  Sampler a(params), b(params);
+  params.seed = 1235;
+  Sampler c(params);
+  std::vector<int32_t> draws_a, draws_b, draws_c;
+  for (int i = 0; i < 200; ++i) {
+    draws_a.push_back(a.sample(logits));
+    draws_b.push_back(b.sample(logits));
+    draws_c.push_back(c.sample(logits));
+  }
+  EXPECT_EQ(draws_a, draws_b);
+  EXPECT_NE(draws_a, draws_c);
+}
+
+// `want` gives the kept tokens in order with their probabilities as fractions (p = 1/2, 1/4, ...).
+// The logits are those fractions' logarithms rounded to float, so the exact expectation is the
+// renormalised exp(logit / temperature) of the kept tokens, computed here in double (1e-12); the
+// fractions themselves hold to the float rounding of the logits (1e-6).
+void expect_distribution(const std::vector<TokenProbability>& got,
+                         const std::vector<TokenProbability>& want,
+                         const std::vector<float>& logits, double temperature = 1.0) {
+  ASSERT_EQ(got.size(), want.size());
+  double kept = 0.0;
+  for (const TokenProbability& w : want) {
+    kept += std::exp(double(logits[size_t(w.token)]) / temperature);
+  }
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].token, want[i].token) << i;
+    const double exact = std::exp(double(logits[size_t(want[i].token)]) / temperature) / kept;
+    EXPECT_NEAR(got[i].probability, exact, 1e-12) << i;
+    EXPECT_NEAR(got[i].probability, want[i].probability, 1e-6) << i;
+  }
+}
+
+TEST(Sampler, TopPKeepsTheSmallestPrefixReachingP) {
+  // p = 1/2, 1/4, 1/8, 1/8 (tokens 2 and 3 tie: the lower index comes first).
+  const std::vector<float> logits = log_probs({0.5, 0.25, 0.125, 0.125});
+  SamplingParams params;
+  params.temperature = 1.0;
+  params.top_p = 0.7;  // 0.5 < 0.7 <= 0.75: tokens 0, 1
+  expect_distribution(sampling_distribution(logits, params), {{0, 2.0 / 3.0}, {1, 1.0 / 3.0}},
+                      logits);
+  params.top_p = 0.8;  // 0.75 < 0.8 <= 0.875: tokens 0, 1, 2
+  expect_distribution(sampling_distribution(logits, params),
+                      {{0, 4.0 / 7.0}, {1, 2.0 / 7.0}, {2, 1.0 / 7.0}}, logits);
+  params.top_p = 0.3;  // the first token alone reaches it
+  expect_distribution(sampling_distribution(logits, params), {{0, 1.0}}, logits);
+  params.top_p = 1.0;
+  expect_distribution(sampling_distribution(logits, params),
+                      {{0, 0.5}, {1, 0.25}, {2, 0.125}, {3, 0.125}}, logits);
+}
+
+TEST(Sampler, TopKThenTopP) {
+  const std::vector<float> logits = log_probs({0.125, 0.5, 0.125, 0.25});
+  SamplingParams params;
+  params.temperature = 1.0;
+  params.top_k = 3;  // tokens 1, 3 and the lower-index of the tie (0)
+  expect_distribution(sampling_distribution(logits, params),
+                      {{1, 4.0 / 7.0}, {3, 2.0 / 7.0}, {0, 1.0 / 7.0}}, logits);
+  params.top_p = 0.6;  // of the renormalised three: 4/7 < 0.6 <= 6/7
+  expect_distribution(sampling_distribution(logits, params), {{1, 2.0 / 3.0}, {3, 1.0 / 3.0}},
+                      logits);
+}
+
+TEST(Sampler, TemperatureSharpensTheDistribution) {
+  const std::vector<float> logits = log_probs({0.5, 0.25, 0.25});
+  SamplingParams params;
+  params.temperature = 0.5;  // p^2 renormalised: 1/4, 1/16, 1/16 -> 4/6, 1/6, 1/6
+  expect_distribution(sampling_distribution(logits, params),
+                      {{0, 4.0 / 6.0}, {1, 1.0 / 6.0}, {2, 1.0 / 6.0}}, logits, 0.5);
+}
+
+TEST(Sampler, DrawFrequenciesFollowTheDistribution) {
+  const std::vector<float> logits = log_probs({0.5, 0.25, 0.125, 0.125});
+  SamplingParams params;
+  params.temperature = 1.0;
+  params.seed = 7;
+  Sampler sampler(params);
+  std::vector<int> counts(4, 0);
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) ++counts[size_t(sampler.sample(logits))];
+  const double want[] = {0.5, 0.25, 0.125, 0.125};
+  for (int t = 0; t < 4; ++t) {
+    // Binomial standard deviation at n = 40000 is at most 0.0025; allow 4 of them.
+    EXPECT_NEAR(double(counts[size_t(t)]) / n, want[t], 0.01) << "token " << t;
+  }
+}
+
+TEST(Sampler, ValidatesParameters) {
+  SamplingParams params;
+  params.temperature = -1.0;
+  EXPECT_NE(validate_sampling_params(params).message().find("--temperature"), std::string::npos);
+  params = {};
+  params.top_p = 0.0;
+  EXPECT_NE(validate_sampling_params(params).message().find("--top-p"), std::string::npos);
+  params = {};
+  params.top_k = -2;
+  EXPECT_NE(validate_sampling_params(params).message().find("--top-k"), std::string::npos);
+  params = {};
+  params.top_k = -1;  // off, as vLLM spells it
+  EXPECT_TRUE(validate_sampling_params(params).ok());
+}
+
+}  // namespace
+}  // namespace e4kv

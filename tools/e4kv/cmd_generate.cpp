@@ -1,0 +1,154 @@
+// e4kv generate MODEL --prompt TEXT | --prompt-ids 1,2,3: one request, text streamed to stdout as
+// tokens come; --json prints {"output_ids": [...], "text": ..., "finish_reason": ...} at the end.
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "engine/generate.h"
+#include "io/generation_config.h"
+#include "io/tokenizer.h"
+#include "model_setup.h"
+
+namespace e4kv::cli {
+namespace {
+
+struct GenerateArgs {
+  ModelFlags model;
+  std::optional<std::string> prompt;
+  std::optional<std::string> prompt_ids;
+  int64_t max_tokens = 16;
+  double temperature = 0.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  int64_t prefill_chunk = 0;
+  bool json = false;
+};
+
+Status run_generate(const GenerateArgs& args) {
+  if (args.prompt.has_value() == args.prompt_ids.has_value()) {
+    return Status::error("give exactly one of --prompt TEXT and --prompt-ids 1,2,3");
+  }
+  if (args.max_tokens < 0) {
+    return Status::error(cat("--max-tokens must be >= 0, got ", args.max_tokens));
+  }
+  SamplingParams sampling;
+  sampling.temperature = args.temperature;
+  sampling.top_p = args.top_p;
+  sampling.top_k = args.top_k;
+  sampling.seed = args.seed;
+  E4KV_RETURN_IF_ERROR(validate_sampling_params(sampling));
+
+  // The tokenizer is optional with --prompt-ids: without one, ids are printed instead of text.
+  std::optional<Tokenizer> tokenizer;
+  std::error_code ec;
+  const std::filesystem::path dir(args.model.model_dir);
+  if (std::filesystem::exists(dir / "tokenizer.json", ec)) {
+    E4KV_ASSIGN_OR_RETURN(Tokenizer loaded, Tokenizer::from_model_dir(dir));
+    tokenizer.emplace(std::move(loaded));
+  } else if (args.prompt) {
+    if (!std::filesystem::is_directory(dir, ec)) {
+      return Status::error(
+          cat(args.model.model_dir, ": not a directory; MODEL is a Hugging Face model directory"));
+    }
+    return Status::error(cat(args.model.model_dir,
+                             " has no tokenizer.json, so --prompt cannot be encoded; give "
+                             "--prompt-ids instead"));
+  }
+
+  std::vector<int32_t> prompt;
+  if (args.prompt) {
+    prompt = tokenizer->encode(*args.prompt, /*add_special_tokens=*/true);
+    if (prompt.empty()) return Status::error("--prompt encodes to no tokens; give some text");
+  } else {
+    E4KV_ASSIGN_OR_RETURN(prompt, parse_id_list("--prompt-ids", *args.prompt_ids));
+  }
+
+  E4KV_ASSIGN_OR_RETURN(
+      LoadedModel loaded,
+      load_model(args.model, static_cast<int64_t>(prompt.size()) + args.max_tokens));
+  GenerateOptions options;
+  options.max_tokens = args.max_tokens;
+  options.sampling = sampling;
+  options.prefill_chunk = args.prefill_chunk;
+  if (!args.ignore_eos) {
+    E4KV_ASSIGN_OR_RETURN(options.stop_ids, load_eos_token_ids(dir));
+    if (tokenizer && tokenizer->eos_id()) options.stop_ids.push_back(*tokenizer->eos_id());
+  }
+
+  std::optional<StreamingDecoder> decoder;
+  if (tokenizer) decoder.emplace(*tokenizer, /*skip_special_tokens=*/true);
+  bool first = true;
+  auto on_token = [&](int32_t id) {
+    if (args.json) return;
+    if (decoder) {
+      const std::string piece = decoder->push(id);
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+    } else {
+      std::printf("%s%d", first ? "" : " ", id);
+    }
+    first = false;
+    std::fflush(stdout);
+  };
+  E4KV_ASSIGN_OR_RETURN(GenerateResult result, generate(*loaded.model, prompt, options, on_token));
+
+  if (args.json) {
+    nlohmann::ordered_json out;
+    out["output_ids"] = result.output_ids;
+    if (tokenizer) {
+      out["text"] = tokenizer->decode(result.output_ids, /*skip_special_tokens=*/true);
+    } else {
+      out["text"] = nullptr;
+    }
+    out["finish_reason"] = result.finish_reason;
+    out["prompt_ids"] = prompt;
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    if (decoder) {
+      const std::string rest = decoder->finish();
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
+    }
+    std::printf("\n");
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Status& result) {
+  CLI::App* cmd = app.add_subcommand(
+      "generate", "Generate a continuation of one prompt (text streamed to stdout as it comes)");
+  auto args = std::make_shared<GenerateArgs>();
+  add_model_flags(cmd, args->model);
+  cmd->add_option_function<std::string>(
+      "--prompt", [args](const std::string& text) { args->prompt = text; },
+      "Prompt text (encoded with the model's tokenizer, special tokens added)");
+  cmd->add_option_function<std::string>(
+      "--prompt-ids", [args](const std::string& text) { args->prompt_ids = text; },
+      "Prompt token ids, comma-separated (1,2,3)");
+  cmd->add_option("--max-tokens", args->max_tokens, "Most tokens to generate")
+      ->capture_default_str();
+  cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
+      ->capture_default_str();
+  cmd->add_option("--top-p", args->top_p, "Nucleus sampling mass; 1 = off")->capture_default_str();
+  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = off")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the sampler (runs are reproducible)")
+      ->capture_default_str();
+  cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at end-of-sequence tokens");
+  cmd->add_option("--prefill-chunk", args->prefill_chunk,
+                  "Prompt tokens per prefill forward; 0 = the whole prompt at once")
+      ->capture_default_str();
+  cmd->add_flag("--json", args->json,
+                "Print {\"output_ids\", \"text\", \"finish_reason\", \"prompt_ids\"} at the end "
+                "instead of streaming");
+  cmd->callback([args, &result] { result = run_generate(*args); });
+}
+
+}  // namespace e4kv::cli

@@ -1,0 +1,142 @@
+// e4kv tokenize MODEL --text T [--json] [--no-special]: the token ids of a text.
+// e4kv detokenize MODEL --ids 1,2,3 [--json] [--skip-special]: the text of token ids.
+// MODEL is a Hugging Face model directory holding tokenizer.json (and tokenizer_config.json).
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "io/tokenizer.h"
+
+namespace e4kv::cli {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+struct TokenizeArgs {
+  std::string model_dir;
+  std::string text;
+  bool json = false;
+  bool no_special = false;
+};
+
+struct DetokenizeArgs {
+  std::string model_dir;
+  std::string ids;
+  bool json = false;
+  bool skip_special = false;
+};
+
+Status write_stdout(const std::string& text) {
+  if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() || std::fflush(stdout) != 0) {
+    return Status::error("writing to standard output failed");
+  }
+  return ok_status();
+}
+
+std::string trim(const std::string& text) {
+  const size_t first = text.find_first_not_of(" \t");
+  if (first == std::string::npos) return std::string();
+  return text.substr(first, text.find_last_not_of(" \t") - first + 1);
+}
+
+// "1,2, 3" -> ids; every entry must be a decimal integer naming a token of `tokenizer`. An empty
+// list is no ids.
+Result<std::vector<int32_t>> parse_ids(const std::string& list, const Tokenizer& tokenizer) {
+  std::vector<int32_t> ids;
+  if (trim(list).empty()) return ids;
+  size_t index = 0;
+  for (size_t pos = 0; pos <= list.size();) {
+    size_t comma = list.find(',', pos);
+    if (comma == std::string::npos) comma = list.size();
+    const std::string item = trim(list.substr(pos, comma - pos));
+    pos = comma + 1;
+    ++index;
+    if (item.empty()) {
+      return Status::error(
+          cat("--ids: entry ", index, " is empty (expected ids separated by commas, e.g. 1,2,3)"));
+    }
+    const bool negative = item[0] == '-';
+    const std::string digits = negative ? item.substr(1) : item;
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) {
+      return Status::error(cat("--ids: entry ", index, " \"", item, "\" is not an integer"));
+    }
+    const bool fits =
+        !negative && digits.size() <= 10 && std::stoll(digits) < tokenizer.vocab_size();
+    const auto id = fits ? static_cast<int32_t>(std::stoll(digits)) : -1;
+    if (!fits || !tokenizer.id_to_token(id)) {
+      return Status::error(cat("--ids: entry ", index, " (", item,
+                               ") is not a token id of this tokenizer (its ids are 0..",
+                               tokenizer.vocab_size() - 1, ")"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+Status run_tokenize(const TokenizeArgs& args) {
+  E4KV_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::from_model_dir(args.model_dir));
+  std::string text = args.text;
+  if (text == "-") {
+    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+    if (std::cin.bad()) return Status::error("--text -: reading standard input failed");
+  }
+  const std::vector<int32_t> ids = tokenizer.encode(text, !args.no_special);
+  if (args.json) {
+    return write_stdout(ordered_json{{"ids", ids}}.dump() + "\n");
+  }
+  std::string line;
+  for (int32_t id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+  return write_stdout(line + "\n");
+}
+
+Status run_detokenize(const DetokenizeArgs& args) {
+  E4KV_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::from_model_dir(args.model_dir));
+  E4KV_ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_ids(args.ids, tokenizer));
+  const std::string text = tokenizer.decode(ids, args.skip_special);
+  if (args.json) {
+    return write_stdout(ordered_json{{"text", text}}.dump() + "\n");
+  }
+  return write_stdout(text + "\n");
+}
+
+// main prints the message after "e4kv: error: " on one line.
+Status one_line(Status status) {
+  if (status.ok()) return status;
+  std::string message = status.message();
+  for (char& c : message) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return Status::error(message);
+}
+
+}  // namespace
+
+void add_tokenize_commands(CLI::App& app, Status& result) {
+  CLI::App* tokenize = app.add_subcommand(
+      "tokenize", "Print the token ids of a text (the model directory's tokenizer.json)");
+  auto t = std::make_shared<TokenizeArgs>();
+  tokenize->add_option("MODEL", t->model_dir, "Model directory holding tokenizer.json")->required();
+  tokenize->add_option("--text", t->text, "Text to encode; '-' reads standard input")->required();
+  tokenize->add_flag("--json", t->json, "Print {\"ids\": [...]}");
+  tokenize->add_flag("--no-special", t->no_special,
+                     "Do not add the post-processor's special tokens (BOS, ...)");
+  tokenize->callback([t, &result] { result = one_line(run_tokenize(*t)); });
+
+  CLI::App* detokenize = app.add_subcommand(
+      "detokenize", "Print the text of token ids (the model directory's tokenizer.json)");
+  auto d = std::make_shared<DetokenizeArgs>();
+  detokenize->add_option("MODEL", d->model_dir, "Model directory holding tokenizer.json")
+      ->required();
+  detokenize->add_option("--ids", d->ids, "Token ids separated by commas, e.g. 1,2,3")->required();
+  detokenize->add_flag("--json", d->json, "Print {\"text\": \"...\"}");
+  detokenize->add_flag("--skip-special", d->skip_special, "Leave special tokens out of the text");
+  detokenize->callback([d, &result] { result = one_line(run_detokenize(*d)); });
+}
+
+}  // namespace e4kv::cli

@@ -1,0 +1,49 @@
+// What `generate` and `logits` share: the model flags (device, KV cache dtype and scales, block
+// size, max model length), the backend choice and the model load with its K/V scale log line.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "io/checkpoint.h"
+#include "model/dense_model.h"
+
+namespace e4kv::cli {
+
+struct ModelFlags {
+  std::string model_dir;
+  std::string device = "cpu";
+  std::string kv_cache_dtype = "fp16";
+  std::string kv_scales = "calibrated";
+  int64_t block_size = 64;
+  int64_t max_model_len = 0;  // 0: config.json's max_position_embeddings
+  int threads = 0;            // CPU backend threads; 0: one per hardware thread
+};
+
+// Adds MODEL and the flags above to `cmd`.
+void add_model_flags(CLI::App* cmd, ModelFlags& flags);
+
+struct LoadedModel {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<DenseModel> model;
+};
+
+// "cpu", "cuda" or "cuda:N". A binary built without the CUDA backend says so for cuda.
+Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads);
+
+// Opens the checkpoint, picks the backend and loads the model with a cache of enough blocks for
+// `tokens` tokens (capped at the max model length). For an E4M3 cache the K/V scale summary goes
+// to stderr (in unit mode it is the NEGATIVE CONTROL line).
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens);
+
+// "1,2,3" (spaces allowed) -> ids; errors name `flag`.
+Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text);
+
+}  // namespace e4kv::cli
