@@ -19,6 +19,7 @@
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
 #include "model/dense_model.h"
+#include "testing/synth_checkpoint.h"
 
 namespace e4kv {
 namespace {
@@ -146,6 +147,50 @@ TEST(DenseModelCuda, E4m3CacheAgreesWithCpuBackend) {
     std::printf("[ info ] %s: E4M3 cache, CUDA vs CPU logits relative L2 %.3g\n",
                 dir.filename().c_str(), err);
   }
+}
+
+// A BF16 weight beyond FP16's range cannot run on the FP16 backend: the load fails and names the
+// tensor (the CPU backend, fp32, loads the same checkpoint).
+TEST(DenseModelCuda, Bf16BeyondFp16RangeIsALoadError) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  SynthCheckpointOptions options;
+  options.family = SynthFamily::kLlama;
+  options.n_layers = 2;
+  options.head_dim = 64;
+  options.dtype = DType::kBF16;
+  Result<SynthCheckpoint> synth = make_synth_checkpoint(options);
+  ASSERT_TRUE(synth.ok()) << synth.message();
+  const std::string bad = "model.layers.1.mlp.down_proj.weight";
+  std::vector<SafetensorsWriteTensor> tensors;
+  for (SynthTensor& t : synth->tensors) {
+    if (t.name == bad) {
+      const uint16_t big = 0x47C3;  // BF16 99840, beyond 65504
+      t.data[6] = std::byte(big & 0xFF);
+      t.data[7] = std::byte(big >> 8);
+    }
+    tensors.push_back({t.name, t.dtype, t.shape, std::span<const std::byte>(t.data)});
+  }
+  const fs::path dir = fs::temp_directory_path() / "e4kv_bf16_range_test";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream config(dir / "config.json");
+    config << synth->config_json;
+  }
+  ASSERT_TRUE(write_safetensors(dir / "model.safetensors", tensors).ok());
+  Result<Checkpoint> ckpt = Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+
+  Result<std::unique_ptr<Backend>> gpu = make_cuda_backend();
+  ASSERT_TRUE(gpu.ok()) << gpu.message();
+  const DenseModelOptions cache = small_cache(KvCacheDtype::kF16, KvScalesMode::kCalibrated);
+  Result<std::unique_ptr<DenseModel>> on_gpu = DenseModel::load(*ckpt, **gpu, cache);
+  ASSERT_FALSE(on_gpu.ok());
+  EXPECT_NE(on_gpu.message().find(bad), std::string::npos) << on_gpu.message();
+  EXPECT_NE(on_gpu.message().find("FP16 range"), std::string::npos) << on_gpu.message();
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  EXPECT_TRUE(DenseModel::load(*ckpt, *cpu, cache).ok());
+  fs::remove_all(dir);
 }
 
 }  // namespace

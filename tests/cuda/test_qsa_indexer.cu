@@ -233,9 +233,12 @@ void run_case(const Case& cs, uint32_t seed) {
   EXPECT_EQ(bad_scores, 0) << name;
   EXPECT_EQ(untouched_bad, 0) << name << ": scores written past a row's visible groups";
 
-  // Top-k on the GPU scores, twice: with every row scored, and with dense rows skipped.
-  for (int variant = 0; variant < 2; ++variant) {
-    if (variant == 1) {
+  // Top-k on the GPU scores: with every row scored, and with dense rows skipped; each through the
+  // one-phase path and the two-phase (chunk candidates) path.
+  DeviceBuffer<uint8_t> d_topk_ws(
+      std::max<size_t>(1, qsa_top_k_workspace_bytes(n_rows, max_groups, cs.budget, kRatio)));
+  for (int variant = 0; variant < 4; ++variant) {
+    if (variant == 1) {  // variant 3 reuses these scores
       sa.scores = d_scores_skip.ptr;
       sa.skip_visible_at_most = k;
       const Status rescored = qsa_index_scores(sa, nullptr);
@@ -247,15 +250,18 @@ void run_case(const Case& cs, uint32_t seed) {
     ta.rows = sa.rows;
     ta.ratio = kRatio;
     ta.budget = cs.budget;
-    ta.scores = variant == 0 ? d_scores.ptr : d_scores_skip.ptr;
+    ta.scores = variant % 2 == 0 ? d_scores.ptr : d_scores_skip.ptr;
     ta.max_groups = max_groups;
     ta.sel_tokens = d_tokens.ptr;
     ta.sel_counts = d_counts.ptr;
+    ta.workspace = variant >= 2 ? d_topk_ws.ptr : nullptr;
     const Status selected = qsa_top_k_select(ta, nullptr);
     ASSERT_TRUE(selected.ok()) << selected.message();
     E4KV_CUDA_CHECK(cudaDeviceSynchronize());
     EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
-                                 width, row_pos, name + (variant == 0 ? "" : " skip-dense")),
+                                 width, row_pos,
+                                 name + (variant % 2 == 0 ? "" : " skip-dense") +
+                                     (variant >= 2 ? " two-phase" : "")),
               0);
   }
 
@@ -371,12 +377,22 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
     ta.max_groups = max_groups;
     ta.sel_tokens = d_tokens.ptr;
     ta.sel_counts = d_counts.ptr;
-    const Status st = qsa_top_k_select(ta, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message();
-    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
-    EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
-                                 width, row_pos, "crafted budget " + std::to_string(budget)),
-              0);
+    const size_t ws_bytes = qsa_top_k_workspace_bytes(n_rows, max_groups, budget, kRatio);
+    DeviceBuffer<uint8_t> d_ws(std::max<size_t>(1, ws_bytes));
+    // One phase, then two phases (chunk candidates) where the rows are long enough for them.
+    for (int two_phase = 0; two_phase < (ws_bytes > 0 ? 2 : 1); ++two_phase) {
+      E4KV_CUDA_CHECK(cudaMemset(d_tokens.ptr, 0x7F, d_tokens.n * sizeof(int32_t)));
+      E4KV_CUDA_CHECK(cudaMemset(d_counts.ptr, 0x7F, d_counts.n * sizeof(int32_t)));
+      ta.workspace = two_phase ? d_ws.ptr : nullptr;
+      const Status st = qsa_top_k_select(ta, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message();
+      E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
+                                   width, row_pos,
+                                   "crafted budget " + std::to_string(budget) +
+                                       (two_phase ? " two-phase" : "")),
+                0);
+    }
   }
 }
 

@@ -22,12 +22,23 @@ struct QsaTopKArgs {
   int64_t max_groups = 0;         // row stride of scores, >= every row's visible groups
   int32_t* sel_tokens = nullptr;  // [n_rows, budget + ratio - 1]
   int32_t* sel_counts = nullptr;  // [n_rows]
+  // Candidate workspace (qsa_top_k_workspace_bytes), or nullptr: then one CTA per row scans the
+  // whole row (slower at long contexts, no workspace).
+  void* workspace = nullptr;
 };
+
+// Bytes of the candidate workspace for these sizes; 0 when the two-phase path would not shrink the
+// rows (short contexts), so no workspace is needed.
+size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
+                                 int64_t ratio);
 
 // For each row: visible = min((pos + 1) / ratio, seq_len / ratio) (cut to max_groups); visible <= k
 // takes every visible group without reading scores, otherwise the groups scoring strictly above
 // the k-th score and then the lowest-index groups equal to it; groups in increasing index, each
 // expanded to ratio tokens, then the causal tail ratio * ((pos + 1) / ratio) .. pos, then -1.
+// With a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per row) each keep
+// their exact local top-k (same order), whose union holds the row's top-k, then one CTA per row
+// selects from the candidates. Both paths give identical results.
 // Limits: none beyond int32 indices. Returns an error for bad shapes; launch failures are fatal.
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream);
 
