@@ -8,6 +8,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libpcre2-dev      # the tokenizer's pre-tokenizer regexes
   libopenblas-dev   # the CPU backend's GEMMs
+  libicu-dev        # the tokenizer's Unicode normalizers (NFC, ...)
   clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
 )
 

@@ -48,8 +48,7 @@ struct StringHash {
 template <class T>
 using StringMap = std::unordered_map<std::string, T, StringHash, std::equal_to<>>;
 
-// ---- UTF-8
-// ---------------------------------------------------------------------------------------
+// ---- UTF-8 --------------------------------------------------------------------------------------
 
 struct Utf8Step {
   size_t length = 1;       // bytes of the sequence, or of the maximal invalid subpart
@@ -169,8 +168,7 @@ bool is_white_space(char32_t cp) {
          cp == 0x205F || cp == 0x3000;
 }
 
-// ---- Byte-level alphabet
-// -------------------------------------------------------------------------
+// ---- Byte-level alphabet ------------------------------------------------------------------------
 
 // GPT-2's reversible byte <-> character table: the printable bytes stand for themselves, the other
 // 68 bytes take the characters from U+0100 on, in byte order. Byte-level vocabularies spell their
@@ -205,8 +203,7 @@ std::string bytes_to_byte_level(std::string_view text) {
   return out;
 }
 
-// ---- Regexes and patterns
-// ------------------------------------------------------------------------
+// ---- Regexes and patterns -----------------------------------------------------------------------
 
 struct Span {
   size_t start = 0;
@@ -408,8 +405,7 @@ void split_spans(size_t size, const std::vector<Span>& matches, bool invert, Spl
   }
 }
 
-// ---- Normalizers
-// ---------------------------------------------------------------------------------
+// ---- Normalizers --------------------------------------------------------------------------------
 
 enum class NormalizerKind { kPrepend, kReplace, kStrip, kNfc, kNfd, kNfkc, kNfkd, kLowercase };
 
@@ -535,8 +531,7 @@ std::string normalize(const std::vector<NormalizerStep>& steps, std::string text
   return text;
 }
 
-// ---- Pre-tokenizers
-// ------------------------------------------------------------------------------
+// ---- Pre-tokenizers -----------------------------------------------------------------------------
 
 enum class PrependScheme { kAlways, kFirst, kNever };
 
@@ -619,8 +614,7 @@ void pre_tokenize(const std::vector<PreTokenizerStep>& steps, std::vector<Piece>
   }
 }
 
-// ---- BPE model
-// -----------------------------------------------------------------------------------
+// ---- BPE model ----------------------------------------------------------------------------------
 
 uint64_t pair_key(int32_t left, int32_t right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
@@ -789,8 +783,7 @@ class BpeModel {
   mutable StringMap<std::vector<int32_t>> cache_;
 };
 
-// ---- Added tokens
-// --------------------------------------------------------------------------------
+// ---- Added tokens -------------------------------------------------------------------------------
 
 struct AddedToken {
   int32_t id = 0;
@@ -930,8 +923,7 @@ void split_on_added_tokens(const std::string& text, bool at_start, const TokenMa
   }
 }
 
-// ---- Decoder chain
-// -------------------------------------------------------------------------------
+// ---- Decoder chain ------------------------------------------------------------------------------
 
 struct DecodeStep {
   enum class Kind { kReplace, kByteFallback, kFuse, kStrip, kMetaspace, kByteLevel };
@@ -1266,8 +1258,7 @@ class DecodeStream {
 
 namespace {
 
-// ---- tokenizer.json reading
-// ----------------------------------------------------------------------
+// ---- tokenizer.json reading ---------------------------------------------------------------------
 
 std::string describe(const json& value) {
   std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -1596,8 +1587,7 @@ Status read_decoder(const Node& node, DecoderChain& chain, bool& fused) {
 
 }  // namespace
 
-// ---- The tokenizer
-// -------------------------------------------------------------------------------
+// ---- The tokenizer ------------------------------------------------------------------------------
 
 class TokenizerImpl {
  public:

@@ -570,8 +570,7 @@ TEST(Tokenizer, FromModelDirReadsTokenizerConfig) {
       << missing.message();
 }
 
-// ---- Streaming
-// -----------------------------------------------------------------------------------
+// ---- Streaming ----------------------------------------------------------------------------------
 
 // Tokenizers with different decoder chains, for the streaming property.
 std::vector<std::pair<std::string, json>> decoder_variants() {
@@ -659,8 +658,7 @@ TEST(Tokenizer, StreamingHoldsIncompleteCharacters) {
   EXPECT_EQ(sp_stream.finish(), "");
 }
 
-// ---- Robustness
-// ----------------------------------------------------------------------------------
+// ---- Robustness ---------------------------------------------------------------------------------
 
 TEST(Tokenizer, RandomTextRoundTripsAndDecodesToValidUtf8) {
   const std::vector<std::string> fragments = {"a",       "Z",
@@ -735,9 +733,15 @@ TEST(Tokenizer, MutatedFilesLoadOrFailCleanly) {
   std::mt19937 rng(5);
   for (const json& base : {gpt2_like(), sentencepiece_like(), metaspace_like("first", false)}) {
     // Every leaf and every inner node (except the root).
+    const json flat = base.flatten();
     std::set<std::string> pointers;
-    for (const auto& [leaf, value] : base.flatten().items()) {
-      for (std::string p = leaf; !p.empty(); p = p.substr(0, p.rfind('/'))) pointers.insert(p);
+    for (const auto& [leaf, value] : flat.items()) {
+      std::string pointer = leaf;  // "/a/b/c", then "/a/b", then "/a"
+      while (pointer.size() > 1) {
+        pointers.insert(pointer);
+        const size_t slash = pointer.rfind('/');
+        pointer.resize(slash == std::string::npos ? 0 : slash);
+      }
     }
     for (const std::string& pointer : pointers) {
       if (pointer.find("/model/vocab/") != std::string::npos && rng() % 16 != 0) continue;
@@ -755,8 +759,7 @@ TEST(Tokenizer, MutatedFilesLoadOrFailCleanly) {
   }
 }
 
-// ---- Round trips and speed
-// -----------------------------------------------------------------------
+// ---- Round trips and speed ----------------------------------------------------------------------
 
 const std::vector<std::string>& multilingual_samples() {
   static const std::vector<std::string> samples = {
@@ -813,8 +816,7 @@ TEST(Tokenizer, EncodesALargeTextQuickly) {
   }
 }
 
-// ---- The synthetic tokenizer
-// ---------------------------------------------------------------------
+// ---- The synthetic tokenizer --------------------------------------------------------------------
 
 TEST(Tokenizer, SynthTokenizerFitsTheVocabAndIsDeterministic) {
   for (int64_t vocab : {kSynthTokenizerMinVocab, int64_t{256}, int64_t{512}, int64_t{1024}}) {

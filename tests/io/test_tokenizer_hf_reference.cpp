@@ -85,6 +85,15 @@ TEST(TokenizerHfReference, MatchesTheTokenizersLibrary) {
     Result<Tokenizer> loaded =
         Tokenizer::from_json(read_text(dir / "tokenizer.json"), (dir / "tokenizer.json").string());
     if (!loaded.ok()) {
+#if !defined(E4KV_HAVE_ICU)
+      // A build without ICU refuses Unicode normalizers (Qwen2's NFC) by design, with this
+      // message; builds with ICU (make setup installs libicu-dev) check the case in full.
+      if (loaded.message().find("built without ICU") != std::string::npos) {
+        std::printf("[ info ] %s: not checked, this build has no ICU (%s)\n", name.c_str(),
+                    loaded.message().c_str());
+        continue;
+      }
+#endif
       ADD_FAILURE() << name << ": " << loaded.message();
       continue;
     }
