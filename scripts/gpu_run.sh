@@ -42,13 +42,17 @@ if [ "$PHASE" != bench ]; then
     build-gpu/tests/e4kv_cuda_tests --gtest_filter=-*AllFloats*
   # The command-line program end to end on the GPU: a generated dense checkpoint, FP16 and E4M3.
   smoke() {
-    local m="$OUT/smoke-model"
-    rm -rf "$m"
-    build-gpu/e4kv synth-checkpoint "$m" --family qwen3 --head-dim 64 --with-kv-scales &&
-      build-gpu/e4kv generate "$m" --prompt "The cache" --max-tokens 16 --device cuda --json &&
-      build-gpu/e4kv generate "$m" --prompt "The cache" --max-tokens 16 --device cuda \
+    local m
+    m=$(mktemp -d)
+    build-gpu/e4kv synth-checkpoint "$m/model" --family qwen3 --head-dim 64 --with-kv-scales &&
+      build-gpu/e4kv generate "$m/model" --prompt "The cache" --max-tokens 16 --device cuda --json &&
+      build-gpu/e4kv generate "$m/model" --prompt "The cache" --max-tokens 16 --device cuda \
         --kv-cache-dtype fp8_e4m3 --json &&
-      build-gpu/e4kv logits "$m" --ids 1,2,3 --device cuda --json | head -c 200 && rm -rf "$m"
+      build-gpu/e4kv logits "$m/model" --ids 1,2,3 --device cuda --json >"$m/logits.json" &&
+      python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['logits']; print('logits', len(l), 'x', len(l[0]))" "$m/logits.json"
+    local rc=$?
+    rm -rf "$m"
+    return $rc
   }
   step cli_smoke smoke
 fi
