@@ -15,12 +15,15 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
+#include "bench_data.cuh"
 #include "bench_timing.cuh"
 
 namespace {
 
 using e4kv::bench::copy_bandwidth_tbs;
+using e4kv::bench::fill_cache_bytes;
 using e4kv::bench::time_ms;
+using e4kv::bench::upload;
 
 using namespace e4kv;
 using namespace e4kv::cuda;
@@ -34,26 +37,6 @@ struct Shape {
   int ctx;
   int qsa_budget;  // 0: dense
 };
-
-__global__ void fill_kernel(uint8_t* data, size_t n, uint32_t seed, bool e4m3) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    if (e4m3) {
-      uint8_t code = uint8_t(x);
-      if ((code & 0x7F) == 0x7F) code = 0x3F;  // no NaN codes
-      data[i] = code;
-    } else if (i % 2 == 1) {
-      // high byte of an FP16 value: sign + exponent in a modest range
-      data[i] = uint8_t((x & 0x80) | (0x30 + (x >> 8) % 12));
-    } else {
-      data[i] = uint8_t(x);
-    }
-  }
-}
 
 struct Measurement {
   std::string shape;
@@ -74,8 +57,7 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
   std::vector<uint8_t*> caches(n_copies, nullptr);
   for (uint8_t*& cache : caches) {
     E4KV_CUDA_CHECK(cudaMalloc(&cache, geo.total_bytes()));
-    fill_kernel<<<4096, 256>>>(cache, geo.total_bytes(), 12345u, dtype == KvCacheDtype::kE4m3);
-    E4KV_CUDA_CHECK_LAUNCH();
+    fill_cache_bytes(cache, geo.total_bytes(), 12345u, dtype == KvCacheDtype::kE4m3);
   }
 
   std::mt19937 rng(7);
@@ -105,12 +87,6 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
     }
     keys = *std::max_element(counts.begin(), counts.end());
   }
-  auto upload = [](const std::vector<int32_t>& v) {
-    int32_t* d = nullptr;
-    E4KV_CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(int32_t)));
-    E4KV_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    return d;
-  };
   int32_t* d_table = upload(table);
   int32_t* d_row_seq = upload(row_seq);
   int32_t* d_row_pos = upload(row_pos);
@@ -122,8 +98,7 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
   float* d_out = nullptr;
   E4KV_CUDA_CHECK(cudaMalloc(&d_q, q_elems * 2));
   E4KV_CUDA_CHECK(cudaMalloc(&d_out, q_elems * 4));
-  fill_kernel<<<64, 256>>>(reinterpret_cast<uint8_t*>(d_q), q_elems * 2, 99u, false);
-  E4KV_CUDA_CHECK_LAUNCH();
+  fill_cache_bytes(reinterpret_cast<uint8_t*>(d_q), q_elems * 2, 99u, false);
 
   PagedAttentionParams p;
   p.cache = KvCacheView{caches[0], geo, 0.01f, 0.01f};

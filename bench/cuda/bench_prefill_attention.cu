@@ -16,13 +16,16 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
 #include "backend/cuda/paged_prefill_attention.cuh"
+#include "bench_data.cuh"
 #include "bench_timing.cuh"
 
 namespace {
 
 using namespace e4kv;
 using namespace e4kv::cuda;
+using e4kv::bench::fill_cache_bytes;
 using e4kv::bench::time_ms;
+using e4kv::bench::upload;
 
 struct Shape {
   const char* name;
@@ -33,25 +36,6 @@ struct Shape {
   int len;
 };
 
-__global__ void fill_kernel(uint8_t* data, size_t n, uint32_t seed, bool e4m3) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    if (e4m3) {
-      uint8_t code = uint8_t(x);
-      if ((code & 0x7F) == 0x7F) code = 0x3F;
-      data[i] = code;
-    } else if (i % 2 == 1) {
-      data[i] = uint8_t((x & 0x80) | (0x30 + (x >> 8) % 12));
-    } else {
-      data[i] = uint8_t(x);
-    }
-  }
-}
-
 double cublas_tflops() {
   const int n = 8192;
   cublasHandle_t handle;
@@ -60,8 +44,8 @@ double cublas_tflops() {
   E4KV_CUDA_CHECK(cudaMalloc(&a, size_t(n) * n * 2));
   E4KV_CUDA_CHECK(cudaMalloc(&b, size_t(n) * n * 2));
   E4KV_CUDA_CHECK(cudaMalloc(&c, size_t(n) * n * 2));
-  fill_kernel<<<4096, 256>>>(static_cast<uint8_t*>(a), size_t(n) * n * 2, 1u, false);
-  fill_kernel<<<4096, 256>>>(static_cast<uint8_t*>(b), size_t(n) * n * 2, 2u, false);
+  fill_cache_bytes(static_cast<uint8_t*>(a), size_t(n) * n * 2, 1u, false);
+  fill_cache_bytes(static_cast<uint8_t*>(b), size_t(n) * n * 2, 2u, false);
   const float alpha = 1.0f, beta = 0.0f;
   const float ms = time_ms([&] {
     cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16F, n, b,
@@ -86,8 +70,7 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native) {
   const KvCacheGeometry geo{n_blocks, kBlock, s.n_kv_heads, s.head_dim, dtype};
   uint8_t* cache = nullptr;
   E4KV_CUDA_CHECK(cudaMalloc(&cache, geo.total_bytes()));
-  fill_kernel<<<4096, 256>>>(cache, geo.total_bytes(), 12345u, dtype == KvCacheDtype::kE4m3);
-  E4KV_CUDA_CHECK_LAUNCH();
+  fill_cache_bytes(cache, geo.total_bytes(), 12345u, dtype == KvCacheDtype::kE4m3);
 
   std::mt19937 rng(7);
   std::vector<int32_t> table(n_blocks);
@@ -102,13 +85,6 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native) {
   }
   const std::vector<PrefillAttentionItem> items =
       plan_prefill_items(tiles, s.n_heads / s.n_kv_heads);
-  auto upload = [](const auto& v) {
-    using T = typename std::decay_t<decltype(v)>::value_type;
-    T* d = nullptr;
-    E4KV_CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(T)));
-    E4KV_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-  };
   int32_t* d_table = upload(table);
   int32_t* d_row_seq = upload(row_seq);
   int32_t* d_row_pos = upload(row_pos);
@@ -119,8 +95,7 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native) {
   float* d_out = nullptr;
   E4KV_CUDA_CHECK(cudaMalloc(&d_q, q_elems * 2));
   E4KV_CUDA_CHECK(cudaMalloc(&d_out, q_elems * 4));
-  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint8_t*>(d_q), q_elems * 2, 99u, false);
-  E4KV_CUDA_CHECK_LAUNCH();
+  fill_cache_bytes(reinterpret_cast<uint8_t*>(d_q), q_elems * 2, 99u, false);
 
   PagedAttentionParams p;
   p.cache = KvCacheView{cache, geo, 0.01f, 0.01f};

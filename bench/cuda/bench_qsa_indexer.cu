@@ -15,11 +15,13 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_topk.cuh"
+#include "bench_data.cuh"
 #include "bench_timing.cuh"
 
 namespace {
 
 using e4kv::bench::time_ms;
+using e4kv::bench::upload;
 
 using namespace e4kv;
 using namespace e4kv::cuda;
@@ -84,12 +86,6 @@ Measurement run(int batch, int ctx) {
   std::vector<int32_t> row_pos(static_cast<size_t>(batch), ctx - 1);
   std::vector<int32_t> seq_lens(static_cast<size_t>(batch), ctx);
   std::iota(row_seq.begin(), row_seq.end(), 0);
-  auto upload = [](const std::vector<int32_t>& v) {
-    int32_t* d = nullptr;
-    E4KV_CUDA_CHECK(cudaMalloc(&d, v.size() * sizeof(int32_t)));
-    E4KV_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    return d;
-  };
   int32_t* d_table = upload(table);
   int32_t* d_row_seq = upload(row_seq);
   int32_t* d_row_pos = upload(row_pos);

@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "backend/cpu/attention.h"
+#include "backend/cuda/cuda_check.h"
 #include "core/half.h"
+#include "device_buffer.cuh"
 #include "e4kv/e4m3.h"
 
 namespace e4kv::cuda {
@@ -166,6 +168,42 @@ struct AttentionData {
     params.out = ref.data();
     const Status cpu = paged_attention(params);
     if (!cpu.ok()) throw std::runtime_error(cpu.message());
+  }
+};
+
+// The same inputs on the device, and `params` pointing at them (out: poisoned with NaN).
+struct DeviceAttentionData {
+  DeviceBuffer<uint8_t> cache;
+  DeviceBuffer<int32_t> table, row_seq, row_pos, seq_lens, sel, counts;
+  DeviceBuffer<uint16_t> q, gate;
+  DeviceBuffer<float> out;
+  PagedAttentionParams params;
+
+  explicit DeviceAttentionData(const AttentionData& host)
+      : cache(host.cache_bytes),
+        table(host.table),
+        row_seq(host.row_seq),
+        row_pos(host.row_pos),
+        seq_lens(host.seq_lens),
+        sel(host.sel),
+        counts(host.counts),
+        q(host.q),
+        gate(host.gate),
+        out(host.ref.size()),
+        params(host.params) {
+    E4KV_CUDA_CHECK(cudaMemset(out.ptr, 0xFF, out.n * sizeof(float)));  // NaN poison
+    params.cache.data = cache.ptr;
+    params.block_table.blocks = table.ptr;
+    params.rows.row_seq = row_seq.ptr;
+    params.rows.row_pos = row_pos.ptr;
+    params.rows.seq_lens = seq_lens.ptr;
+    if (host.params.rows.qsa()) {
+      params.rows.sel_tokens = sel.ptr;
+      params.rows.sel_counts = counts.ptr;
+    }
+    params.q = q.ptr;
+    params.gate = gate.ptr;
+    params.out = out.ptr;
   }
 };
 

@@ -37,31 +37,8 @@ Comparison run_case(const Case& c, uint32_t seed) {
   const int64_t n_rows = data.params.rows.n_rows;
   const int64_t n_heads = data.params.n_heads;
 
-  DeviceBuffer<uint8_t> d_cache(data.cache_bytes);
-  DeviceBuffer<int32_t> d_table(data.table);
-  DeviceBuffer<int32_t> d_row_seq(data.row_seq);
-  DeviceBuffer<int32_t> d_row_pos(data.row_pos);
-  DeviceBuffer<int32_t> d_seq_lens(data.seq_lens);
-  DeviceBuffer<int32_t> d_sel(data.sel);
-  DeviceBuffer<int32_t> d_counts(data.counts);
-  DeviceBuffer<uint16_t> d_q(data.q);
-  DeviceBuffer<uint16_t> d_gate(data.gate);
-  DeviceBuffer<float> d_out(data.ref.size());
-  E4KV_CUDA_CHECK(cudaMemset(d_out.ptr, 0xFF, data.ref.size() * sizeof(float)));  // NaN poison
-
-  PagedAttentionParams dev = data.params;
-  dev.cache.data = d_cache.ptr;
-  dev.block_table.blocks = d_table.ptr;
-  dev.rows.row_seq = d_row_seq.ptr;
-  dev.rows.row_pos = d_row_pos.ptr;
-  dev.rows.seq_lens = d_seq_lens.ptr;
-  if (c.qsa) {
-    dev.rows.sel_tokens = d_sel.ptr;
-    dev.rows.sel_counts = d_counts.ptr;
-  }
-  dev.q = d_q.ptr;
-  dev.gate = d_gate.ptr;
-  dev.out = d_out.ptr;
+  DeviceAttentionData device(data);
+  const PagedAttentionParams& dev = device.params;
 
   int n_sms = 0;
   E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
@@ -83,7 +60,7 @@ Comparison run_case(const Case& c, uint32_t seed) {
   const Status gpu = paged_decode_attention(dev, plan, ws, c.native, nullptr);
   EXPECT_TRUE(gpu.ok()) << gpu.message();
   E4KV_CUDA_CHECK(cudaDeviceSynchronize());
-  return compare_outputs(d_out.to_host(), data.ref);
+  return compare_outputs(device.out.to_host(), data.ref);
 }
 
 TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {

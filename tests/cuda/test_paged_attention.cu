@@ -35,38 +35,15 @@ RunResult run_case(const AttentionCase& c, uint32_t seed) {
   AttentionData data;
   data.make(c, seq_lens, rows, /*selection_width=*/259, seed);
 
-  DeviceBuffer<uint8_t> d_cache(data.cache_bytes);
-  DeviceBuffer<int32_t> d_table(data.table);
-  DeviceBuffer<int32_t> d_row_seq(data.row_seq);
-  DeviceBuffer<int32_t> d_row_pos(data.row_pos);
-  DeviceBuffer<int32_t> d_seq_lens(data.seq_lens);
-  DeviceBuffer<int32_t> d_sel(data.sel);
-  DeviceBuffer<int32_t> d_counts(data.counts);
-  DeviceBuffer<uint16_t> d_q(data.q);
-  DeviceBuffer<uint16_t> d_gate(data.gate);
-  DeviceBuffer<float> d_out(data.ref.size());
-  E4KV_CUDA_CHECK(cudaMemset(d_out.ptr, 0xFF, data.ref.size() * sizeof(float)));  // NaN poison
-
-  PagedAttentionParams dev = data.params;
-  dev.cache.data = d_cache.ptr;
-  dev.block_table.blocks = d_table.ptr;
-  dev.rows.row_seq = d_row_seq.ptr;
-  dev.rows.row_pos = d_row_pos.ptr;
-  dev.rows.seq_lens = d_seq_lens.ptr;
-  if (c.qsa) {
-    dev.rows.sel_tokens = d_sel.ptr;
-    dev.rows.sel_counts = d_counts.ptr;
-  }
-  dev.q = d_q.ptr;
-  dev.gate = d_gate.ptr;
-  dev.out = d_out.ptr;
+  DeviceAttentionData device(data);
+  const PagedAttentionParams& dev = device.params;
 
   PagedAttentionRunner runner(0, /*force_software_e4m3=*/!c.native);
   const Status st = runner.run(dev, data.params.rows, nullptr);
   EXPECT_TRUE(st.ok()) << st.message();
   E4KV_CUDA_CHECK(cudaDeviceSynchronize());
   RunResult result;
-  result.cmp = compare_outputs(d_out.to_host(), data.ref);
+  result.cmp = compare_outputs(device.out.to_host(), data.ref);
   const RoutePlan& plan = runner.last_plan();
   for (const RouteLaunch& launch : plan.launches) {
     if (launch.route == 0) result.prefill_rows += launch.n_rows;

@@ -375,16 +375,6 @@ Status run_inspect(const InspectArgs& args) {
   return ok_status();
 }
 
-// main prints the message after "e4kv: error: " on one line.
-Status one_line(Status status) {
-  if (status.ok()) return status;
-  std::string message = status.message();
-  for (char& c : message) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return Status::error(message);
-}
-
 }  // namespace
 
 void add_inspect_command(CLI::App& app, Status& result) {

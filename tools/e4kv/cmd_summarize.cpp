@@ -78,15 +78,6 @@ Status run_summarize(const SummarizeArgs& args) {
   return ok_status();
 }
 
-Status one_line(Status status) {
-  if (status.ok()) return status;
-  std::string message = status.message();
-  for (char& c : message) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return Status::error(message);
-}
-
 }  // namespace
 
 void add_summarize_command(CLI::App& app, Status& result) {

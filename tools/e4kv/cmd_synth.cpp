@@ -98,16 +98,6 @@ Status run_synth(const SynthArgs& args) {
   return ok_status();
 }
 
-// main prints the message after "e4kv: error: " on one line.
-Status one_line(Status status) {
-  if (status.ok()) return status;
-  std::string message = status.message();
-  for (char& c : message) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return Status::error(message);
-}
-
 }  // namespace
 
 void add_synth_command(CLI::App& app, Status& result) {

@@ -105,16 +105,6 @@ Status run_detokenize(const DetokenizeArgs& args) {
   return write_stdout(text + "\n");
 }
 
-// main prints the message after "e4kv: error: " on one line.
-Status one_line(Status status) {
-  if (status.ok()) return status;
-  std::string message = status.message();
-  for (char& c : message) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return Status::error(message);
-}
-
 }  // namespace
 
 void add_tokenize_commands(CLI::App& app, Status& result) {

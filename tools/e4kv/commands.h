@@ -4,9 +4,21 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+
 #include "core/status.h"
 
 namespace e4kv::cli {
+
+// `status` with its message folded onto one line (main prints it after "e4kv: error: ").
+inline Status one_line(Status status) {
+  if (status.ok()) return status;
+  std::string message = status.message();
+  for (char& c : message) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return Status::error(message);
+}
 
 void add_inspect_command(CLI::App& app, Status& result);
 void add_synth_command(CLI::App& app, Status& result);

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/e4m3_vec.cuh"
@@ -67,29 +68,6 @@ struct MergeKernelParams {
   float out_scale;       // v_scale * decode factor
   float* out;            // [n_rows, n_heads, head_dim]
 };
-
-struct ElemF16 {
-  static constexpr int kBytes = 2;
-};
-
-template <E4m3Decode kMode>
-struct ElemE4m3 {
-  static constexpr int kBytes = 1;
-  using Decoder = E4m3Decoder<kMode>;
-};
-
-__device__ __forceinline__ void mma_m16n8k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(b));
-}
-
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 // Loads kWords 32-bit words (16 or 8 bytes, or 4) from global memory, read-only path.
 template <int kWords>

@@ -90,6 +90,35 @@ __device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t value, int lane
   return value;
 }
 
+// One warp: the digit of the rank-th largest key among those counted in `hist` (256 bins of the
+// digit at `shift`), scanning from the highest digit; lane l owns digits 255 - 8l down to 248 - 8l.
+// Writes the prefix extended by that digit and the rank left within the digit's bin.
+__device__ __forceinline__ void find_digit(const uint32_t* hist, uint32_t prefix, uint32_t rank,
+                                           int shift, int lane, uint32_t& found_prefix,
+                                           uint32_t& found_rank) {
+  uint32_t counts[8];
+  uint32_t lane_total = 0u;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    counts[j] = hist[kBins - 1 - 8 * lane - j];
+    lane_total += counts[j];
+  }
+  const uint32_t inclusive = warp_inclusive_scan(lane_total, lane);
+  const unsigned reached = __ballot_sync(kFullMask, inclusive >= rank);
+  if (lane == __ffs(reached) - 1) {
+    uint32_t before = inclusive - lane_total;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (before + counts[j] >= rank) {
+        found_prefix = prefix | (uint32_t(kBins - 1 - 8 * lane - j) << shift);
+        found_rank = rank - before;
+        break;
+      }
+      before += counts[j];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     qsa_top_k_select_kernel(const __grid_constant__ TopKKernelParams p) {
   __shared__ uint32_t hist[kBins];
@@ -156,30 +185,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       __syncthreads();
-      if (warp == 0) {
-        // Lane l owns digits 255 - 8l down to 248 - 8l: the scan runs from the highest digit.
-        uint32_t counts[8];
-        uint32_t lane_total = 0u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          counts[j] = hist[kBins - 1 - 8 * lane - j];
-          lane_total += counts[j];
-        }
-        const uint32_t inclusive = warp_inclusive_scan(lane_total, lane);
-        const unsigned reached = __ballot_sync(kFullMask, inclusive >= rank);
-        if (lane == __ffs(reached) - 1) {
-          uint32_t before = inclusive - lane_total;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (before + counts[j] >= rank) {
-              found_prefix = prefix | (uint32_t(kBins - 1 - 8 * lane - j) << shift);
-              found_rank = rank - before;
-              break;
-            }
-            before += counts[j];
-          }
-        }
-      }
+      if (warp == 0) find_digit(hist, prefix, rank, shift, lane, found_prefix, found_rank);
       __syncthreads();
       prefix = found_prefix;
       rank = found_rank;
@@ -292,29 +298,7 @@ __global__ void __launch_bounds__(kChunkThreads)
       if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xFFu], 1u);
     }
     __syncthreads();
-    if (warp == 0) {
-      uint32_t counts[8];
-      uint32_t lane_total = 0u;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        counts[j] = hist[kBins - 1 - 8 * lane - j];
-        lane_total += counts[j];
-      }
-      const uint32_t inclusive = warp_inclusive_scan(lane_total, lane);
-      const unsigned reached = __ballot_sync(kFullMask, inclusive >= rank);
-      if (lane == __ffs(reached) - 1) {
-        uint32_t before = inclusive - lane_total;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (before + counts[j] >= rank) {
-            found_prefix = prefix | (uint32_t(kBins - 1 - 8 * lane - j) << shift);
-            found_rank = rank - before;
-            break;
-          }
-          before += counts[j];
-        }
-      }
-    }
+    if (warp == 0) find_digit(hist, prefix, rank, shift, lane, found_prefix, found_rank);
     __syncthreads();
     prefix = found_prefix;
     rank = found_rank;
