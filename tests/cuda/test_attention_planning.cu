@@ -1,0 +1,57 @@
+// Host-side planning of the CUDA attention and top-k launches (no device needed): prefill items
+// cover every tile row once, in order, within the CTA's slot budget; the runner's route table sends
+// runs of rows to the prefill kernel; the top-k workspace is asked for only where two phases
+// shrink the rows.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "backend/cuda/paged_prefill_attention.cuh"
+#include "backend/cuda/qsa_topk.cuh"
+
+namespace e4kv::cuda {
+namespace {
+
+TEST(PrefillPlanning, ItemsCoverEveryTileRowOnceWithinTheSlotBudget) {
+  const std::vector<RouteTile> tiles{{0, 64, 0}, {64, 3, 0}, {67, 37, 1}, {104, 1, 2}};
+  for (int64_t group : {1, 4, 6, 8, 16}) {
+    const int64_t per_item = prefill_rows_per_item(group);
+    EXPECT_EQ(per_item, 64 / group);
+    const std::vector<PrefillAttentionItem> items = plan_prefill_items(tiles, group);
+    int64_t next_row = 0;
+    for (const PrefillAttentionItem& item : items) {
+      EXPECT_EQ(item.first_row, next_row) << "group " << group;
+      EXPECT_GE(item.n_rows, 1);
+      EXPECT_LE(item.n_rows, per_item);
+      EXPECT_LE(item.n_rows * group, 64);
+      next_row += item.n_rows;
+    }
+    EXPECT_EQ(next_row, 105) << "group " << group;
+    // No item spans two tiles (tiles are one sequence each).
+    for (const PrefillAttentionItem& item : items) {
+      bool inside = false;
+      for (const RouteTile& t : tiles) {
+        inside |= item.first_row >= t.first_row &&
+                  item.first_row + item.n_rows <= t.first_row + t.n_rows;
+      }
+      EXPECT_TRUE(inside) << "group " << group << " item at row " << item.first_row;
+    }
+  }
+  EXPECT_TRUE(plan_prefill_items(tiles, 0).empty());
+}
+
+TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {
+  // 128K context, budget 2048, ratio 4: 32768 groups -> 8 chunks x 512 candidates.
+  EXPECT_EQ(qsa_top_k_workspace_bytes(4, 32768, 2048, 4), size_t(4 * 8 * 512 * 8));
+  // One chunk still shrinks 4096 groups to 512 candidates.
+  EXPECT_EQ(qsa_top_k_workspace_bytes(4, 4096, 2048, 4), size_t(4 * 1 * 512 * 8));
+  // Where chunks * k >= the groups, two phases gain nothing: no workspace.
+  EXPECT_EQ(qsa_top_k_workspace_bytes(4, 512, 2048, 4), 0u);
+  EXPECT_EQ(qsa_top_k_workspace_bytes(4, 8192, 16384, 4), 0u);  // 2 chunks x 4096
+  // Bad sizes ask for nothing (the launcher reports them).
+  EXPECT_EQ(qsa_top_k_workspace_bytes(0, 32768, 2048, 4), 0u);
+  EXPECT_EQ(qsa_top_k_workspace_bytes(4, 32768, 2, 4), 0u);
+}
+
+}  // namespace
+}  // namespace e4kv::cuda
