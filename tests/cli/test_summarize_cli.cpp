@@ -28,6 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing_support::read_text;
 using testing_support::run_cli;
+using testing_support::expect_one_line_error;
 using testing_support::RunResult;
 using testing_support::TempDir;
 using testing_support::write_text;
@@ -37,17 +38,6 @@ void expect_ok(const RunResult& r, const std::string& what) {
   ASSERT_TRUE(r.exited) << what;
   ASSERT_EQ(r.exit_code, 0) << what << ": " << r.err;
   EXPECT_TRUE(r.err.empty()) << what << ": " << r.err;
-}
-
-// Exit code 1, nothing on stdout, one "e4kv: error:" line containing `needle`.
-void expect_one_line_error(const RunResult& r, const std::string& needle) {
-  SCOPED_TRACE(needle);
-  EXPECT_TRUE(r.exited);
-  EXPECT_EQ(r.exit_code, 1) << r.err;
-  EXPECT_EQ(r.err.rfind("e4kv: error:", 0), 0u) << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  EXPECT_TRUE(r.out.empty()) << r.out;
-  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
 }
 
 struct Pipeline {

@@ -4,10 +4,13 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "testing/files.h"
 
@@ -46,6 +49,17 @@ inline RunResult run_cli(const std::filesystem::path& scratch, const std::vector
   std::filesystem::remove(out_path);
   std::filesystem::remove(err_path);
   return result;
+}
+
+// Exit code 1, nothing on stdout, one "e4kv: error:" line containing `needle`.
+inline void expect_one_line_error(const RunResult& r, const std::string& needle) {
+  SCOPED_TRACE(needle);
+  EXPECT_TRUE(r.exited);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(r.err.rfind("e4kv: error:", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
 }
 
 }  // namespace e4kv::testing_support
