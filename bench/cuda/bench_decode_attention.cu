@@ -44,9 +44,20 @@ struct Measurement {
   double ms;
   double bytes;
   double tbs;
+  int64_t splits;
+  int64_t resident_ctas;
 };
 
-Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
+// "fp16", "e4m3-soft" or "e4m3-native", with "-reg" for the register load path.
+std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
+  std::string name = dtype == KvCacheDtype::kF16 ? "fp16"
+                     : config.native_e4m3        ? "e4m3-native"
+                                                 : "e4m3-soft";
+  if (config.load == DecodeLoadPath::kRegisters) name += "-reg";
+  return name;
+}
+
+Measurement run(const Shape& s, KvCacheDtype dtype, const DecodeAttentionConfig& config) {
   constexpr int kBlock = 64;
   const int64_t blocks_per_seq = (s.ctx + kBlock - 1) / kBlock;
   const int64_t n_blocks = blocks_per_seq * s.batch;
@@ -116,7 +127,9 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
   p.q = d_q;
   p.out = d_out;
 
-  const DecodeAttentionPlan plan = plan_decode_attention(s.batch, s.n_kv_heads, keys, n_sms);
+  const Result<int64_t> resident = decode_attention_resident_ctas(geo, s.n_heads, config, 0);
+  if (!resident.ok()) std::fprintf(stderr, "%s\n", resident.status().message().c_str()), std::exit(1);
+  const DecodeAttentionPlan plan = plan_decode_attention(s.batch, s.n_kv_heads, keys, *resident);
   float* d_ws = nullptr;
   const size_t ws_floats =
       decode_attention_workspace_floats(s.batch, plan.n_splits, s.n_heads, s.head_dim);
@@ -132,7 +145,7 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
   const float ms = time_ms([&] {
     p.cache.data = caches[next_copy];
     next_copy = (next_copy + 1) % n_copies;
-    const Status st = paged_decode_attention(p, plan, ws, native, nullptr);
+    const Status st = paged_decode_attention(p, plan, ws, config, nullptr);
     if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
   });
   const double bytes =
@@ -142,10 +155,8 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native, int n_sms) {
                     (void*)d_sel, (void*)d_counts, (void*)d_q, (void*)d_out, (void*)d_ws}) {
     E4KV_CUDA_CHECK(cudaFree(ptr));
   }
-  const std::string kv = dtype == KvCacheDtype::kF16 ? "fp16"
-                         : native                    ? "e4m3-native"
-                                                     : "e4m3-soft";
-  return Measurement{s.name, kv, ms, bytes, bytes / (ms * 1e-3) / 1e12};
+  return Measurement{s.name, kv_name(dtype, config), ms, bytes, bytes / (ms * 1e-3) / 1e12,
+                     plan.n_splits, *resident};
 }
 
 }  // namespace
@@ -160,9 +171,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
-  int n_sms = 0;
-  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
-  const bool native = decode_attention_native_e4m3_usable(0);
+  const DecodeAttentionConfig best = decode_attention_config(0, false);
   const double copy_tbs = copy_bandwidth_tbs();
   std::printf("device copy bandwidth (read+write): %.3f TB/s\n", copy_tbs);
 
@@ -175,21 +184,26 @@ int main(int argc, char** argv) {
       {"qsa_b4_h16_kv2_d256_128k_budget2048", 4, 16, 2, 256, 131072, 2048},
   };
   std::vector<Measurement> results;
-  std::printf("%-38s %-12s %10s %10s %9s %8s\n", "shape", "kv", "time_us", "MB_read", "TB/s",
-              "vs_copy");
+  std::printf("%-38s %-16s %10s %10s %9s %8s %7s %9s\n", "shape", "kv", "time_us", "MB_read",
+              "TB/s", "vs_copy", "splits", "resident");
   for (const Shape& s : shapes) {
     if (std::string(s.name).find(shape_filter) == std::string::npos) continue;
-    std::vector<std::pair<KvCacheDtype, bool>> kinds = {{KvCacheDtype::kF16, false},
-                                                        {KvCacheDtype::kE4m3, false}};
-    if (native) kinds.push_back({KvCacheDtype::kE4m3, true});
-    for (auto [dtype, use_native] : kinds) {
-      const std::string kv = dtype == KvCacheDtype::kF16 ? "fp16"
-                             : use_native                ? "e4m3-native"
-                                                         : "e4m3-soft";
-      if (kv.find(kv_filter) == std::string::npos) continue;
-      const Measurement m = run(s, dtype, use_native, n_sms);
-      std::printf("%-38s %-12s %10.1f %10.1f %9.3f %7.1f%%\n", m.shape.c_str(), m.kv.c_str(),
-                  m.ms * 1e3, m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs);
+    // The device's best configuration, and the register load path where that is async (the
+    // path sm_75 runs), FP16 and software E4M3 first.
+    std::vector<DecodeLoadPath> loads{best.load};
+    if (best.load != DecodeLoadPath::kRegisters) loads.push_back(DecodeLoadPath::kRegisters);
+    std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds;
+    for (DecodeLoadPath load : loads) {
+      kinds.push_back({KvCacheDtype::kF16, {false, load}});
+      kinds.push_back({KvCacheDtype::kE4m3, {false, load}});
+      if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, load}});
+    }
+    for (const auto& [dtype, config] : kinds) {
+      if (kv_name(dtype, config).find(kv_filter) == std::string::npos) continue;
+      const Measurement m = run(s, dtype, config);
+      std::printf("%-38s %-16s %10.1f %10.1f %9.3f %7.1f%% %7lld %9lld\n", m.shape.c_str(),
+                  m.kv.c_str(), m.ms * 1e3, m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs,
+                  (long long)m.splits, (long long)m.resident_ctas);
       results.push_back(m);
     }
   }
@@ -200,8 +214,10 @@ int main(int argc, char** argv) {
     const Measurement& m = results[i];
     std::fprintf(
         f,
-        "  {\"shape\": \"%s\", \"kv\": \"%s\", \"ms\": %.5f, \"bytes\": %.0f, \"tbs\": %.4f}%s\n",
-        m.shape.c_str(), m.kv.c_str(), m.ms, m.bytes, m.tbs, i + 1 < results.size() ? "," : "");
+        "  {\"shape\": \"%s\", \"kv\": \"%s\", \"ms\": %.5f, \"bytes\": %.0f, \"tbs\": %.4f, "
+        "\"splits\": %lld, \"resident_ctas\": %lld}%s\n",
+        m.shape.c_str(), m.kv.c_str(), m.ms, m.bytes, m.tbs, (long long)m.splits,
+        (long long)m.resident_ctas, i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);

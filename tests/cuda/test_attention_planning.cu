@@ -1,11 +1,13 @@
 // Host-side planning of the CUDA attention and top-k launches (no device needed): prefill items
 // cover every tile row once, in order, within the CTA's slot budget; the runner's route table sends
 // runs of rows to the prefill kernel; the top-k workspace is asked for only where two phases
-// shrink the rows.
+// shrink the rows; decode splits cover every key and fill whole waves of resident CTAs.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
+#include "backend/cuda/paged_decode_attention.cuh"
 #include "backend/cuda/paged_prefill_attention.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 
@@ -38,6 +40,37 @@ TEST(PrefillPlanning, ItemsCoverEveryTileRowOnceWithinTheSlotBudget) {
     }
   }
   EXPECT_TRUE(plan_prefill_items(tiles, 0).empty());
+}
+
+TEST(DecodePlanning, SplitsCoverEveryKeyAndFillWholeWaves) {
+  struct Case {
+    int64_t rows, kv_heads, keys, resident;
+  };
+  for (const Case& c : {Case{32, 8, 8192, 396}, Case{8, 8, 32768, 396}, Case{4, 2, 131072, 396},
+                        Case{64, 2, 8192, 264}, Case{1, 2, 20480, 396}, Case{4, 2, 2051, 396},
+                        Case{3, 1, 1, 396}, Case{7, 5, 999, 1}}) {
+    const DecodeAttentionPlan plan = plan_decode_attention(c.rows, c.kv_heads, c.keys, c.resident);
+    const std::string what = "rows " + std::to_string(c.rows) + " keys " + std::to_string(c.keys);
+    EXPECT_EQ(plan.n_splits % 4, 0) << what;
+    EXPECT_EQ(plan.keys_per_split % 8, 0) << what;
+    EXPECT_GE(plan.keys_per_split * plan.n_splits, c.keys) << what;
+    // Waves x keys per split is never far above what any other split count gives (brute force
+    // here; the planner also charges a fixed cost per split, worth at most a few waves' keys).
+    const int64_t ctas = c.rows * c.kv_heads * plan.n_splits / 4;
+    const int64_t waves = (ctas + c.resident - 1) / c.resident;
+    const double cost = double(waves) * double(plan.keys_per_split + 64);
+    for (int64_t s = 4; s <= 4096; s += 4) {
+      if ((c.keys + s - 1) / s < 64 && s > 4) break;  // the planner keeps 64+ keys per split
+      const int64_t kps = ((c.keys + s - 1) / s + 7) / 8 * 8;
+      const int64_t n = c.rows * c.kv_heads * s / 4;
+      EXPECT_LE(cost, 1.02 * double((n + c.resident - 1) / c.resident) * double(kps + 64))
+          << what << " beaten by " << s << " splits";
+    }
+  }
+  // 8 x 32K at 396 resident CTAs: one wave (the old SM-count rule launched 576 CTAs, 1.45 waves).
+  const DecodeAttentionPlan p = plan_decode_attention(8, 8, 32768, 396);
+  EXPECT_LE(8 * 8 * p.n_splits / 4, 396);
+  EXPECT_GE(8 * 8 * p.n_splits / 4, 396 * 9 / 10);
 }
 
 TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {

@@ -1,7 +1,7 @@
 // CUDA paged decode attention against the CPU reference (backend/cpu/attention.h) on fresh random
 // data: head_dim {64,128,256} x GQA {1,4,6,8,12,16} x block {16,64} x FP16/E4M3 (software and
-// native decode) x dense/QSA, mixed batches of decode rows and prefill-chunk rows. Outputs are
-// poisoned with NaN before each run.
+// native decode) x dense/QSA x both load paths (registers; async copy on sm_80+), mixed batches of
+// decode rows and prefill-chunk rows. Outputs are poisoned with NaN before each run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,7 +24,7 @@ namespace {
 
 using Case = AttentionCase;
 
-Comparison run_case(const Case& c, uint32_t seed) {
+Comparison run_case(const Case& c, DecodeLoadPath load, bool small_plan, uint32_t seed) {
   // A decode row per sequence, plus a 19-row prefill chunk of sequence 2 and a 5-row chunk of
   // sequence 3 (a mixed batch, every row through the decode kernel).
   const std::vector<int32_t> seq_lens{1, 37, 700, 1500};
@@ -40,12 +40,15 @@ Comparison run_case(const Case& c, uint32_t seed) {
   DeviceAttentionData device(data);
   const PagedAttentionParams& dev = device.params;
 
-  int n_sms = 0;
-  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
+  const DecodeAttentionConfig config{c.native, load};
+  const Result<int64_t> resident =
+      decode_attention_resident_ctas(data.params.cache.geometry, n_heads, config, 0);
+  EXPECT_TRUE(resident.ok()) << resident.status().message();
   // Alternate between the planner's split and a small one so many splits are exercised.
   const int64_t max_keys = data.max_keys;
-  DecodeAttentionPlan plan = plan_decode_attention(n_rows, c.n_kv_heads, max_keys, n_sms);
-  if (seed % 2 == 1) plan = DecodeAttentionPlan{64, (max_keys + 255) / 256 * 4};
+  DecodeAttentionPlan plan =
+      plan_decode_attention(n_rows, c.n_kv_heads, max_keys, resident.ok() ? *resident : 1);
+  if (small_plan) plan = DecodeAttentionPlan{64, (max_keys + 255) / 256 * 4};
   DeviceBuffer<float> d_ws(
       decode_attention_workspace_floats(n_rows, plan.n_splits, n_heads, c.head_dim));
   E4KV_CUDA_CHECK(cudaMemset(d_ws.ptr, 0xFF, d_ws.n * sizeof(float)));
@@ -57,7 +60,7 @@ Comparison run_case(const Case& c, uint32_t seed) {
   ws.max_splits = plan.n_splits;
   ws.n_heads = n_heads;
   ws.head_dim = c.head_dim;
-  const Status gpu = paged_decode_attention(dev, plan, ws, c.native, nullptr);
+  const Status gpu = paged_decode_attention(dev, plan, ws, config, nullptr);
   EXPECT_TRUE(gpu.ok()) << gpu.message();
   E4KV_CUDA_CHECK(cudaDeviceSynchronize());
   return compare_outputs(device.out.to_host(), data.ref);
@@ -80,21 +83,28 @@ TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {
       }
     }
   }
+  std::vector<DecodeLoadPath> loads{DecodeLoadPath::kRegisters};
+  if (compute_capability(0) >= 80) loads.push_back(DecodeLoadPath::kAsyncCopy);
   double worst = 0;
   uint32_t seed = 1;
+  size_t index = 0;
   const std::vector<AttentionRouteLimits> routes = cuda_attention_routes();
   for (const Case& c : cases) {
     // The route table the runner plans with claims exactly the shapes tested here.
     EXPECT_TRUE(
         routes[1].supports(AttentionRouteShape{c.head_dim, c.block_size, c.dtype, c.qsa, c.group}))
         << describe(c);
-    const Comparison r = run_case(c, seed++);
-    EXPECT_EQ(r.nan_count, 0) << describe(c);
-    EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << " max abs " << r.max_abs;
-    worst = std::max(worst, r.rel_l2);
+    for (DecodeLoadPath load : loads) {
+      const char* path = load == DecodeLoadPath::kAsyncCopy ? " async copy" : " registers";
+      const Comparison r = run_case(c, load, index % 2 == 1, seed++);
+      EXPECT_EQ(r.nan_count, 0) << describe(c) << path;
+      EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << path << " max abs " << r.max_abs;
+      worst = std::max(worst, r.rel_l2);
+    }
+    ++index;
   }
-  std::printf("[ info ] %zu cases (native E4M3 %s), worst relative L2 %.3g\n", cases.size(),
-              native ? "included" : "not available", worst);
+  std::printf("[ info ] %zu cases x %zu load paths (native E4M3 %s), worst relative L2 %.3g\n",
+              cases.size(), loads.size(), native ? "included" : "not available", worst);
 }
 
 }  // namespace

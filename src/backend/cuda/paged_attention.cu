@@ -6,19 +6,28 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
-#include "backend/cuda/paged_decode_attention.cuh"
 
 namespace e4kv::cuda {
 
 PagedAttentionRunner::PagedAttentionRunner(int device, bool force_software_e4m3)
-    : device_(device), routes_(cuda_attention_routes()) {
-  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device));
-  native_e4m3_ = !force_software_e4m3 && decode_attention_native_e4m3_usable(device);
-}
+    : device_(device),
+      decode_config_(decode_attention_config(device, force_software_e4m3)),
+      routes_(cuda_attention_routes()) {}
 
 PagedAttentionRunner::~PagedAttentionRunner() {
   cudaFree(d_items_);
   cudaFree(d_workspace_);
+}
+
+Result<int64_t> PagedAttentionRunner::resident_ctas(const KvCacheGeometry& geo, int64_t n_heads) {
+  const int64_t group = n_heads / std::max<int64_t>(geo.n_kv_heads, 1);
+  for (const ResidentCtas& r : resident_) {
+    if (r.head_dim == geo.head_dim && r.group == group && r.dtype == geo.dtype) return r.ctas;
+  }
+  E4KV_ASSIGN_OR_RETURN(const int64_t ctas,
+                        decode_attention_resident_ctas(geo, n_heads, decode_config_, device_));
+  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas});
+  return ctas;
 }
 
 Status PagedAttentionRunner::run(const PagedAttentionParams& params, const QueryBatchView& host_rows,
@@ -57,7 +66,8 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params, const Query
                                     items_.size() * sizeof(PrefillAttentionItem),
                                     cudaMemcpyHostToDevice, stream));
     E4KV_RETURN_IF_ERROR(
-        paged_prefill_attention(params, d_items_, int64_t(items_.size()), native_e4m3_, stream));
+        paged_prefill_attention(params, d_items_, int64_t(items_.size()), decode_config_.native_e4m3,
+                                stream));
   }
 
   // Decode: runs of consecutive rows (tiles are single rows in row order within the route).
@@ -77,7 +87,8 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params, const Query
                                                              : params.rows.sel_width;
       max_keys = std::max(max_keys, keys);
     }
-    const DecodeAttentionPlan plan = plan_decode_attention(n, geo.n_kv_heads, max_keys, n_sms_);
+    E4KV_ASSIGN_OR_RETURN(const int64_t resident, resident_ctas(geo, params.n_heads));
+    const DecodeAttentionPlan plan = plan_decode_attention(n, geo.n_kv_heads, max_keys, resident);
     const size_t need = decode_attention_workspace_floats(n, plan.n_splits, params.n_heads,
                                                           geo.head_dim);
     if (need > d_workspace_floats_) {
@@ -108,7 +119,7 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params, const Query
     sub.q += first * row_q;
     if (sub.gate != nullptr) sub.gate += first * row_q;
     sub.out += first * row_q;
-    E4KV_RETURN_IF_ERROR(paged_decode_attention(sub, plan, ws, native_e4m3_, stream));
+    E4KV_RETURN_IF_ERROR(paged_decode_attention(sub, plan, ws, decode_config_, stream));
     i = j;
   }
   return Status();

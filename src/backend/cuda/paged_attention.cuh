@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/attention_params.h"
+#include "backend/cuda/paged_decode_attention.cuh"
 #include "backend/cuda/paged_prefill_attention.cuh"
 #include "core/status.h"
 #include "qsa/route_planner.h"
@@ -26,7 +27,7 @@ class PagedAttentionRunner {
   PagedAttentionRunner(const PagedAttentionRunner&) = delete;
   PagedAttentionRunner& operator=(const PagedAttentionRunner&) = delete;
 
-  bool native_e4m3() const { return native_e4m3_; }
+  bool native_e4m3() const { return decode_config_.native_e4m3; }
 
   // out = attention of every row, as paged_attention (CPU) computes it. params: device pointers.
   // host_rows: the same rows on the host: n_rows, row_seq and row_pos are read; sel_counts when
@@ -38,9 +39,17 @@ class PagedAttentionRunner {
   const RoutePlan& last_plan() const { return plan_; }
 
  private:
+  // The decode kernel's resident CTAs (the planner's wave size) for a cache geometry and group.
+  Result<int64_t> resident_ctas(const KvCacheGeometry& geo, int64_t n_heads);
+
   int device_ = 0;
-  int n_sms_ = 1;
-  bool native_e4m3_ = false;
+  DecodeAttentionConfig decode_config_;
+  struct ResidentCtas {
+    int64_t head_dim, group;
+    KvCacheDtype dtype;
+    int64_t ctas;
+  };
+  std::vector<ResidentCtas> resident_;  // memo of resident_ctas()
   std::vector<AttentionRouteLimits> routes_;
   RoutePlan plan_;
   std::vector<PrefillAttentionItem> items_;

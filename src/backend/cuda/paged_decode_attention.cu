@@ -14,14 +14,26 @@
 // 2^8 folded into the scales; or cvt.rn.f16x2.e4m3x2 on sm_89+). Each K/V byte is read once.
 // A second kernel merges the splits by log-sum-exp and applies v_scale, 1/l and the gate.
 //
+// Two ways to move the bytes (DecodeLoadPath):
+//   registers:  each iteration's fragments are loaded straight from global memory, then used
+//               (sm_75+). A warp has one iteration of bytes in flight and none while it computes.
+//   async copy: cp.async moves whole token rows into a per-warp ring of shared-memory stages,
+//               kStages - 1 iterations ahead of the math (sm_80+); fragments are then read from
+//               shared memory with the same per-thread layout. Rows are XOR-swizzled by 16-byte
+//               chunk so both fragment reads are free of bank conflicts. No block barrier: each
+//               warp owns its ring, so __syncwarp orders it.
+//
 // Limits: head_dim 64/128/256, GQA group <= 16, block_size % 8 == 0. Instructions: mma.m16n8k8
-// (sm_75+); the software decoder uses only sm_70 integer instructions.
+// (sm_75+); the software decoder uses only sm_70 integer instructions; cp.async sm_80+.
 #include "backend/cuda/paged_decode_attention.cuh"
 
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
@@ -84,40 +96,114 @@ __device__ __forceinline__ void load_words(const uint8_t* ptr, uint32_t (&w)[kWo
   }
 }
 
+// The same from shared memory.
+template <int kWords>
+__device__ __forceinline__ void load_shared_words(const uint8_t* ptr, uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(ptr);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (kWords == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(ptr);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    static_assert(kWords == 1);
+    w[0] = *reinterpret_cast<const uint32_t*>(ptr);
+  }
+}
+
+// Registers of raw K/V bytes per thread that one iteration may take, and bytes of shared-memory
+// ring per warp (async copy). Overridable at build time for tuning runs on the device.
+#ifndef E4KV_DECODE_REGISTER_RAW_BUDGET
+#define E4KV_DECODE_REGISTER_RAW_BUDGET 64
+#endif
+#ifndef E4KV_DECODE_ASYNC_RAW_BUDGET
+#define E4KV_DECODE_ASYNC_RAW_BUDGET 32
+#endif
+#ifndef E4KV_DECODE_RING_BYTES
+#define E4KV_DECODE_RING_BYTES 16384
+#endif
+// The planner's fixed cost of one split, in keys.
+#ifndef E4KV_DECODE_SPLIT_COST_KEYS
+#define E4KV_DECODE_SPLIT_COST_KEYS 64
+#endif
+// The async path (sm_80+ only) uses mma.m16n8k16 where a pair of k8 steps allows it.
+#ifndef E4KV_DECODE_MMA_K16
+#define E4KV_DECODE_MMA_K16 1
+#endif
+
+// Every size the kernel and its launcher derive from the template arguments.
+template <int kHeadDim, int kEB, int kHeadTiles, bool kAsync>
+struct DecodeShape {
+  // K: each thread loads kKElems contiguous dims of its token per load (always 16 bytes).
+  static constexpr int kKElems = (16 / kEB) < (kHeadDim / 4) ? (16 / kEB) : (kHeadDim / 4);
+  static constexpr int kKLoads = kHeadDim / (4 * kKElems);
+  static constexpr int kKWords = kKElems * kEB / 4;
+  static constexpr int kStepsPerLoad = kKElems / 2;
+  static constexpr int kKSteps = kHeadDim / 8;
+  // V: each thread loads kVElems contiguous dims of each of its two tokens per load.
+  static constexpr int kVDimsPerThread = kHeadDim / 8;
+  static constexpr int kVElems = (16 / kEB) < kVDimsPerThread ? (16 / kEB) : kVDimsPerThread;
+  static constexpr int kVLoads = kVDimsPerThread / kVElems;
+  static constexpr int kVWords = kVElems * kEB / 4;
+  static constexpr int kMTiles = kHeadDim / 16;
+  // Tiles of 8 tokens per iteration: raw K/V registers per thread within the budget (half of it
+  // with two head tiles, whose Q and O fragments take the room), 1 to 4 tiles.
+  static constexpr int kRawRegsPerTile = kKLoads * kKWords + 2 * kVLoads * kVWords;
+  static constexpr int kRawBudget =
+      (kAsync ? E4KV_DECODE_ASYNC_RAW_BUDGET : E4KV_DECODE_REGISTER_RAW_BUDGET) /
+      (kHeadTiles == 2 ? 2 : 1);
+  static constexpr int kSub = kRawBudget / kRawRegsPerTile < 1   ? 1
+                              : kRawBudget / kRawRegsPerTile > 4 ? 4
+                                                                 : kRawBudget / kRawRegsPerTile;
+  static constexpr int kIterTokens = kTileTokens * kSub;
+  // Async copy: a stage holds one iteration, K rows then V rows, one head's row per token.
+  static constexpr int kRowBytes = kHeadDim * kEB;
+  static constexpr int kRowChunks = kRowBytes / 16;  // 4 to 32, a power of two
+  static constexpr int kStageBytes = 2 * kIterTokens * kRowBytes;
+  static constexpr int kStages = E4KV_DECODE_RING_BYTES / kStageBytes < 2   ? 2
+                                 : E4KV_DECODE_RING_BYTES / kStageBytes > 4 ? 4
+                                                                            : E4KV_DECODE_RING_BYTES /
+                                                                                  kStageBytes;
+  static constexpr int kSmemBytes = kAsync ? kWarpsPerCta * kStages * kStageBytes : 0;
+  static constexpr bool kK16 = kAsync && E4KV_DECODE_MMA_K16;
+  static_assert(kKWords == 4, "K fragments are loaded 16 bytes at a time");
+  static_assert(kRowChunks >= 4 && kRowChunks <= 32 && 32 % kRowChunks == 0);
+  static_assert(kIterTokens % (32 / kRowChunks) == 0);
+
+  // Shared-memory row swizzles (chunk index within a token's row). K is read as (token g,
+  // chunk t + 4c) and V as (token 2t + b, chunk g + 8c): flipping bit 2 of the chunk on odd
+  // tokens spreads a K read over all 8 bank groups, and flipping bits 1-2 by token / 2 does the
+  // same for V. Rows shorter than 8 chunks keep the bits that exist.
+  __device__ static constexpr int k_chunk(int token, int chunk) {
+    return chunk ^ (((token & 1) << 2) & (kRowChunks - 1));
+  }
+  __device__ static constexpr int v_chunk(int token, int chunk) {
+    return chunk ^ ((((token >> 1) & 3) << 1) & (kRowChunks - 1));
+  }
+};
+
 // note: the explicit minimum of 1 resident CTA changes ptxas' register allocation and scheduling
 // for this kernel: measured on the H200 (2026-12-01, interleaved A/B runs), FP16 decode at d 128
 // went from 325 to 291 us (32 x 8K) and from 384 to 338 us (8 x 32K), E4M3 unchanged. Forcing 4 or
 // 5 resident CTAs (128 or 102 registers) spilled and ran 15-65% slower.
-template <int kHeadDim, class Elem, int kHeadTiles>
+template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
+  using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync>;
   constexpr int kEB = Elem::kBytes;
-  // K: each thread loads kKElems contiguous dims of its token per load.
-  constexpr int kKElems = (16 / kEB) < (kHeadDim / 4) ? (16 / kEB) : (kHeadDim / 4);
-  constexpr int kKLoads = kHeadDim / (4 * kKElems);
-  constexpr int kKWords = kKElems * kEB / 4;
-  constexpr int kStepsPerLoad = kKElems / 2;
-  constexpr int kKSteps = kHeadDim / 8;
-  // V: each thread loads kVElems contiguous dims of each of its two tokens per load.
-  constexpr int kVDimsPerThread = kHeadDim / 8;
-  constexpr int kVElems = (16 / kEB) < kVDimsPerThread ? (16 / kEB) : kVDimsPerThread;
-  constexpr int kVLoads = kVDimsPerThread / kVElems;
-  constexpr int kVWords = kVElems * kEB / 4;
-  constexpr int kMTiles = kHeadDim / 16;
-  // Tiles per iteration: about 64 registers of raw K/V per thread (8 KB per warp in flight), half
-  // that with two head tiles (their Q and O fragments take the room).
-  constexpr int kRawRegsPerTile = kKLoads * kKWords + 2 * kVLoads * kVWords;
-  // Tiles per iteration: about 64 registers of raw K/V per thread (8 KB per warp in flight), half
-  // that with two head tiles (their Q and O fragments take the room).
-  constexpr int kRawBudget = kHeadTiles == 2 ? 32 : 64;
-  constexpr int kSub = kRawBudget / kRawRegsPerTile < 1   ? 1
-                       : kRawBudget / kRawRegsPerTile > 4 ? 4
-                                                          : kRawBudget / kRawRegsPerTile;
-  // note: prefetching the next iteration into a second register buffer was measured slower on the
-  // H200 (2026-11-29: E4M3 d128 323 us vs 252 us; FP16 unchanged): the extra registers cost a
-  // resident CTA per SM. Kept switchable for the next round of tuning.
-  constexpr bool kPrefetch = false;
-  constexpr int kIterTokens = kTileTokens * kSub;
+  constexpr int kKElems = Shape::kKElems;
+  constexpr int kKLoads = Shape::kKLoads;
+  constexpr int kKWords = Shape::kKWords;
+  constexpr int kStepsPerLoad = Shape::kStepsPerLoad;
+  constexpr int kKSteps = Shape::kKSteps;
+  constexpr int kVElems = Shape::kVElems;
+  constexpr int kVLoads = Shape::kVLoads;
+  constexpr int kVWords = Shape::kVWords;
+  constexpr int kMTiles = Shape::kMTiles;
+  constexpr int kSub = Shape::kSub;
+  constexpr int kIterTokens = Shape::kIterTokens;
+  constexpr int kRowBytes = Shape::kRowBytes;
+  constexpr int kStages = Shape::kStages;
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -189,18 +275,18 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     return p.cache + ((block * 2 + kv) * p.block_size + slot) * row_bytes + head_offset;
   };
 
-  // Each iteration covers kSub tiles of 8 tokens. All loads of an iteration are issued before
-  // any math, and (kPrefetch) the next iteration's loads are issued before this one's math, so
-  // that two iterations of K/V bytes are in flight per warp.
+  // The raw fragments of one iteration (kSub tiles of 8 tokens).
   struct Raw {
     uint32_t k[kSub][kKLoads][kKWords];
     uint32_t v0[kSub][kVLoads][kVWords];
     uint32_t v1[kSub][kVLoads][kVWords];
   };
+
+  // Registers path: every fragment straight from global memory, all loads issued before any math.
+  // Keys past k_end read a valid token (k_begin) and are masked below.
   auto load_iteration = [&](int tile, Raw& raw) {
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) {
-      // Keys past k_end read a valid token (k_begin) and are masked below.
       const int base = tile + kTileTokens * sub;
       const int k_key = base + g < k_end ? base + g : k_begin;
       const int v_key0 = base + 2 * t < k_end ? base + 2 * t : k_begin;
@@ -220,21 +306,77 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     }
   };
 
-  Raw cur;
-  if constexpr (kPrefetch) {
-    if (k_begin < k_end) load_iteration(k_begin, cur);
+  // Async path: the warp's ring of kStages stages; a stage is K rows [kIterTokens][kRowBytes]
+  // then V rows, chunks swizzled. A lane copies one fixed chunk of every (32 / kRowChunks)-th
+  // token; keys past k_end copy token k_begin (masked below).
+  extern __shared__ __align__(16) uint8_t decode_smem[];
+  uint8_t* ring = decode_smem + warp * (kStages * Shape::kStageBytes);
+  const int64_t v_bytes_offset = int64_t(p.block_size) * row_bytes;  // K row -> V row of a slot
+  auto issue_iteration = [&](int tile, uint8_t* stage) {
+    constexpr int kTokensPerRound = 32 / Shape::kRowChunks;
+    const int chunk = lane % Shape::kRowChunks;
+#pragma unroll
+    for (int token = lane / Shape::kRowChunks; token < kIterTokens; token += kTokensPerRound) {
+      const int key = tile + token < k_end ? tile + token : k_begin;
+      const uint8_t* src = token_ptr(key, 0) + chunk * 16;
+      cp_async_16(stage + token * kRowBytes + Shape::k_chunk(token, chunk) * 16, src);
+      cp_async_16(stage + (kIterTokens + token) * kRowBytes + Shape::v_chunk(token, chunk) * 16,
+                  src + v_bytes_offset);
+    }
+  };
+  auto fetch_iteration = [&](const uint8_t* stage, Raw& raw) {
+    const uint8_t* v_rows = stage + kIterTokens * kRowBytes;
+#pragma unroll
+    for (int sub = 0; sub < kSub; ++sub) {
+      const int k_token = kTileTokens * sub + g;
+#pragma unroll
+      for (int c = 0; c < kKLoads; ++c) {
+        load_shared_words(stage + k_token * kRowBytes + Shape::k_chunk(k_token, t + 4 * c) * 16,
+                          raw.k[sub][c]);
+      }
+#pragma unroll
+      for (int c = 0; c < kVLoads; ++c) {
+        const int byte = kVElems * (g + 8 * c) * kEB;
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int v_token = kTileTokens * sub + 2 * t + b;
+          const uint8_t* src =
+              v_rows + v_token * kRowBytes + Shape::v_chunk(v_token, byte / 16) * 16 + byte % 16;
+          load_shared_words(src, b == 0 ? raw.v0[sub][c] : raw.v1[sub][c]);
+        }
+      }
+    }
+  };
+
+  const int n_iters = k_end > k_begin ? (k_end - k_begin + kIterTokens - 1) / kIterTokens : 0;
+  if constexpr (kAsync) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n_iters) issue_iteration(k_begin + s * kIterTokens, ring + s * Shape::kStageBytes);
+      cp_async_commit();
+    }
   }
-  for (int tile = k_begin; tile < k_end; tile += kIterTokens) {
-    Raw next;
-    if constexpr (kPrefetch) {
-      if (tile + kIterTokens < k_end) load_iteration(tile + kIterTokens, next);
+
+  for (int it = 0; it < n_iters; ++it) {
+    const int tile = k_begin + it * kIterTokens;
+    Raw cur;
+    if constexpr (kAsync) {
+      // Stage `it` has landed (at most kStages - 2 younger groups pending); the stage refilled
+      // next was read in the previous iteration, which every lane finished before the barrier.
+      cp_async_wait<kStages - 2>();
+      __syncwarp();
+      const int ahead = it + kStages - 1;
+      if (ahead < n_iters) {
+        issue_iteration(k_begin + ahead * kIterTokens, ring + (ahead % kStages) * Shape::kStageBytes);
+      }
+      cp_async_commit();
+      fetch_iteration(ring + (it % kStages) * Shape::kStageBytes, cur);
     } else {
       load_iteration(tile, cur);
     }
     const auto& k_raw = cur.k;
     const auto& v_raw0 = cur.v0;
     const auto& v_raw1 = cur.v1;
-
     // S = Q . K^T: s[sub][0..1] = heads g (tokens 2t, 2t+1), s[sub][2..3] = heads g + 8.
     float s[kSub][4];
 #pragma unroll
@@ -252,10 +394,19 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
             Elem::Decoder::decode4(k_raw[sub][c][w], b[2 * w], b[2 * w + 1]);
           }
         }
+        if constexpr (Shape::kK16) {
 #pragma unroll
-        for (int m = 0; m < kStepsPerLoad; ++m) {
-          const int step = c * kStepsPerLoad + m;
-          mma_m16n8k8(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
+          for (int m = 0; m < kStepsPerLoad; m += 2) {
+            const int step = c * kStepsPerLoad + m;
+            mma_m16n8k16(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, q_lo[step + 1],
+                         kHeadTiles == 2 ? q_hi[step + 1] : 0u, b[m], b[m + 1]);
+          }
+        } else {
+#pragma unroll
+          for (int m = 0; m < kStepsPerLoad; ++m) {
+            const int step = c * kStepsPerLoad + m;
+            mma_m16n8k8(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
+          }
         }
       }
     }
@@ -306,36 +457,54 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     }
 
     // O^T += V^T . P^T. M-tile mt takes the thread's dims j = 2mt (row g) and 2mt + 1 (row g + 8)
-    // of its list: dim(j) = kVElems * (g + 8 * (j / kVElems)) + j % kVElems.
-#pragma unroll
-    for (int sub = 0; sub < kSub; ++sub) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        const int c = (2 * mt) / kVElems;
-        const int e = (2 * mt) % kVElems;
-        uint32_t a0;
-        uint32_t a1;
-        if constexpr (kEB == 2) {
-          const uint32_t x = v_raw0[sub][c][e / 2];
-          const uint32_t y = v_raw1[sub][c][e / 2];
-          a0 = __byte_perm(x, y, 0x5410);
-          a1 = __byte_perm(x, y, 0x7632);
+    // of its list: dim(j) = kVElems * (g + 8 * (j / kVElems)) + j % kVElems. With k16, two tiles
+    // of 8 tokens make one 16-token step (A: the two tiles' fragments; B: their P fragments).
+    auto v_fragments = [&](int sub, int mt, uint32_t& a0, uint32_t& a1) {
+      const int c = (2 * mt) / kVElems;
+      const int e = (2 * mt) % kVElems;
+      if constexpr (kEB == 2) {
+        const uint32_t x = v_raw0[sub][c][e / 2];
+        const uint32_t y = v_raw1[sub][c][e / 2];
+        a0 = __byte_perm(x, y, 0x5410);
+        a1 = __byte_perm(x, y, 0x7632);
+      } else {
+        const uint32_t x = v_raw0[sub][c][e / 4];
+        const uint32_t y = v_raw1[sub][c][e / 4];
+        if (e % 4 == 0) {
+          a0 = Elem::Decoder::template decode_pair<0>(x, y);
+          a1 = Elem::Decoder::template decode_pair<1>(x, y);
         } else {
-          const uint32_t x = v_raw0[sub][c][e / 4];
-          const uint32_t y = v_raw1[sub][c][e / 4];
-          if (e % 4 == 0) {
-            a0 = Elem::Decoder::template decode_pair<0>(x, y);
-            a1 = Elem::Decoder::template decode_pair<1>(x, y);
-          } else {
-            a0 = Elem::Decoder::template decode_pair<2>(x, y);
-            a1 = Elem::Decoder::template decode_pair<3>(x, y);
+          a0 = Elem::Decoder::template decode_pair<2>(x, y);
+          a1 = Elem::Decoder::template decode_pair<3>(x, y);
+        }
+      }
+    };
+    if constexpr (Shape::kK16 && kSub % 2 == 0) {
+#pragma unroll
+      for (int sub = 0; sub < kSub; sub += 2) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          uint32_t a0, a1, a2, a3;
+          v_fragments(sub, mt, a0, a1);
+          v_fragments(sub + 1, mt, a2, a3);
+#pragma unroll
+          for (int r = 0; r < kHeadTiles; ++r) {
+            mma_m16n8k16(o[r][mt], a0, a1, a2, a3, p_frag[sub][r], p_frag[sub + 1][r]);
           }
         }
+      }
+    } else {
 #pragma unroll
-        for (int r = 0; r < kHeadTiles; ++r) mma_m16n8k8(o[r][mt], a0, a1, p_frag[sub][r]);
+      for (int sub = 0; sub < kSub; ++sub) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          uint32_t a0, a1;
+          v_fragments(sub, mt, a0, a1);
+#pragma unroll
+          for (int r = 0; r < kHeadTiles; ++r) mma_m16n8k8(o[r][mt], a0, a1, p_frag[sub][r]);
+        }
       }
     }
-    if constexpr (kPrefetch) cur = next;
   }
 
   // Row sums live spread over the four threads of a group.
@@ -438,34 +607,77 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   p.out[out_index] = out;
 }
 
+// One compiled instance of the decode kernel and the dynamic shared memory it takes.
+struct DecodeInstance {
+  void (*kernel)(DecodeKernelParams) = nullptr;
+  int smem_bytes = 0;
+};
+
+template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
+DecodeInstance instance() {
+  return DecodeInstance{&paged_decode_attention_kernel<kHeadDim, Elem, kHeadTiles, kAsync>,
+                        DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync>::kSmemBytes};
+}
+
 template <int kHeadDim, class Elem>
-void launch(const DecodeKernelParams& kp, int64_t n_rows, int64_t n_kv_heads, int group,
-            cudaStream_t stream) {
-  const dim3 grid(unsigned(n_rows * n_kv_heads),
-                  unsigned((kp.n_splits + kWarpsPerCta - 1) / kWarpsPerCta));
-  const dim3 block(kWarpsPerCta * 32);
+DecodeInstance select_for(int group, bool async) {
   if (group <= 8) {
-    paged_decode_attention_kernel<kHeadDim, Elem, 1><<<grid, block, 0, stream>>>(kp);
-  } else {
-    paged_decode_attention_kernel<kHeadDim, Elem, 2><<<grid, block, 0, stream>>>(kp);
+    return async ? instance<kHeadDim, Elem, 1, true>() : instance<kHeadDim, Elem, 1, false>();
   }
-  E4KV_CUDA_CHECK_LAUNCH();
+  return async ? instance<kHeadDim, Elem, 2, true>() : instance<kHeadDim, Elem, 2, false>();
 }
 
 template <class Elem>
-void launch_for_dim(int64_t head_dim, const DecodeKernelParams& kp, int64_t n_rows,
-                    int64_t n_kv_heads, int group, cudaStream_t stream) {
+DecodeInstance select_for_dim(int64_t head_dim, int group, bool async) {
   switch (head_dim) {
     case 64:
-      launch<64, Elem>(kp, n_rows, n_kv_heads, group, stream);
-      break;
+      return select_for<64, Elem>(group, async);
     case 128:
-      launch<128, Elem>(kp, n_rows, n_kv_heads, group, stream);
-      break;
+      return select_for<128, Elem>(group, async);
     default:
-      launch<256, Elem>(kp, n_rows, n_kv_heads, group, stream);
-      break;
+      return select_for<256, Elem>(group, async);
   }
+}
+
+// The instance for a validated shape (head_dim 64/128/256, group 1-16).
+DecodeInstance select_instance(int64_t head_dim, int group, KvCacheDtype dtype,
+                               const DecodeAttentionConfig& config) {
+  const bool async = config.load == DecodeLoadPath::kAsyncCopy;
+  if (dtype != KvCacheDtype::kE4m3) return select_for_dim<ElemF16>(head_dim, group, async);
+  if (config.native_e4m3) {
+    return select_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim, group, async);
+  }
+  return select_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim, group, async);
+}
+
+// Instances above the default 48 KB of dynamic shared memory must opt in, once per device.
+void allow_shared_memory(const DecodeInstance& inst) {
+  if (inst.smem_bytes <= 48 * 1024) return;
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<std::pair<void (*)(DecodeKernelParams), int>> done;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (std::find(done.begin(), done.end(), std::pair{inst.kernel, device}) != done.end()) return;
+  E4KV_CUDA_CHECK(cudaFuncSetAttribute(inst.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       inst.smem_bytes));
+  done.emplace_back(inst.kernel, device);
+}
+
+Status check_shape(const KvCacheGeometry& geo, int64_t n_heads) {
+  if (geo.head_dim != 64 && geo.head_dim != 128 && geo.head_dim != 256) {
+    return Status::error(
+        cat("decode attention: head_dim ", geo.head_dim, " is not supported (64, 128 or 256)"));
+  }
+  if (geo.n_kv_heads <= 0 || n_heads % geo.n_kv_heads != 0 || n_heads / geo.n_kv_heads > 16) {
+    return Status::error(cat("decode attention: GQA group ", n_heads, "/", geo.n_kv_heads,
+                             " is not supported (a whole group of at most 16)"));
+  }
+  if (geo.block_size <= 0 || geo.block_size % 8 != 0) {
+    return Status::error(
+        cat("decode attention: block_size ", geo.block_size, " is not a multiple of 8"));
+  }
+  return Status();
 }
 
 }  // namespace
@@ -474,22 +686,63 @@ bool decode_attention_native_e4m3_usable(int device) {
   if (!e4m3_native_available(device)) return false;
   cudaFuncAttributes attr{};
   E4KV_CUDA_CHECK(cudaFuncGetAttributes(
-      &attr, paged_decode_attention_kernel<128, ElemE4m3<E4m3Decode::kNative>, 1>));
+      &attr, paged_decode_attention_kernel<128, ElemE4m3<E4m3Decode::kNative>, 1, false>));
   return attr.binaryVersion >= 89;
 }
 
+DecodeAttentionConfig decode_attention_config(int device, bool force_software_e4m3) {
+  DecodeAttentionConfig config;
+  config.native_e4m3 = !force_software_e4m3 && decode_attention_native_e4m3_usable(device);
+  config.load =
+      compute_capability(device) >= 80 ? DecodeLoadPath::kAsyncCopy : DecodeLoadPath::kRegisters;
+  return config;
+}
+
+Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64_t n_heads,
+                                               const DecodeAttentionConfig& config, int device) {
+  E4KV_RETURN_IF_ERROR(check_shape(geo, n_heads));
+  const DecodeInstance inst =
+      select_instance(geo.head_dim, int(n_heads / geo.n_kv_heads), geo.dtype, config);
+  int saved = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&saved));
+  E4KV_CUDA_CHECK(cudaSetDevice(device));
+  allow_shared_memory(inst);
+  int per_sm = 0;
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, inst.kernel,
+                                                                kWarpsPerCta * 32, inst.smem_bytes));
+  int n_sms = 0;
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  E4KV_CUDA_CHECK(cudaSetDevice(saved));
+  return int64_t(std::max(per_sm, 1)) * n_sms;
+}
+
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
-                                          int n_sms) {
-  // Aim for about 16 warps per SM across the grid; never split below 64 keys per warp.
+                                          int64_t resident_ctas) {
+  // Every split count (a multiple of the 4 warps of a CTA, at least 64 keys per warp) is costed
+  // as waves x (keys per split + a fixed cost per split): a launch of C CTAs with R resident at
+  // once takes ceil(C / R) rounds, each as long as one split; each split also loads Q, fills its
+  // pipeline and writes a partial result the merge reads back. The cheapest wins; among those
+  // within 2% of it, the fewest splits.
   const int64_t items = std::max<int64_t>(1, n_rows * n_kv_heads);
-  const int64_t target_warps = int64_t(std::max(n_sms, 1)) * 16;
-  int64_t splits = std::max<int64_t>(1, (target_warps + items - 1) / items);
-  const int64_t max_useful = std::max<int64_t>(1, (max_keys + 63) / 64);
-  splits = std::min(splits, max_useful);
-  splits = (splits + kWarpsPerCta - 1) / kWarpsPerCta * kWarpsPerCta;
-  int64_t keys_per_split = (std::max<int64_t>(max_keys, 1) + splits - 1) / splits;
-  keys_per_split = (keys_per_split + kTileTokens - 1) / kTileTokens * kTileTokens;
-  return DecodeAttentionPlan{keys_per_split, splits};
+  const int64_t slots = std::max<int64_t>(1, resident_ctas);
+  const int64_t keys = std::max<int64_t>(1, max_keys);
+  const int64_t most = std::max<int64_t>(kWarpsPerCta, (keys + 63) / 64);
+  auto keys_per_split = [&](int64_t splits) {
+    const int64_t k = (keys + splits - 1) / splits;
+    return (k + kTileTokens - 1) / kTileTokens * kTileTokens;
+  };
+  auto cost = [&](int64_t splits) {
+    const int64_t ctas = items * splits / kWarpsPerCta;
+    return double((ctas + slots - 1) / slots) *
+           double(keys_per_split(splits) + E4KV_DECODE_SPLIT_COST_KEYS);
+  };
+  double best = cost(kWarpsPerCta);
+  for (int64_t s = 2 * kWarpsPerCta; s < most + kWarpsPerCta; s += kWarpsPerCta) {
+    best = std::min(best, cost(s));
+  }
+  int64_t splits = kWarpsPerCta;
+  while (cost(splits) > best * 1.02) splits += kWarpsPerCta;
+  return DecodeAttentionPlan{keys_per_split(splits), splits};
 }
 
 size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, int64_t n_heads,
@@ -498,23 +751,11 @@ size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, i
 }
 
 Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAttentionPlan& plan,
-                              const DecodeAttentionWorkspace& workspace, bool native_e4m3,
-                              cudaStream_t stream) {
+                              const DecodeAttentionWorkspace& workspace,
+                              const DecodeAttentionConfig& config, cudaStream_t stream) {
   const KvCacheGeometry& geo = params.cache.geometry;
   const int64_t n_rows = params.rows.n_rows;
-  if (geo.head_dim != 64 && geo.head_dim != 128 && geo.head_dim != 256) {
-    return Status::error(
-        cat("decode attention: head_dim ", geo.head_dim, " is not supported (64, 128 or 256)"));
-  }
-  if (geo.n_kv_heads <= 0 || params.n_heads % geo.n_kv_heads != 0 ||
-      params.n_heads / geo.n_kv_heads > 16) {
-    return Status::error(cat("decode attention: GQA group ", params.n_heads, "/", geo.n_kv_heads,
-                             " is not supported (a whole group of at most 16)"));
-  }
-  if (geo.block_size <= 0 || geo.block_size % 8 != 0) {
-    return Status::error(
-        cat("decode attention: block_size ", geo.block_size, " is not a multiple of 8"));
-  }
+  E4KV_RETURN_IF_ERROR(check_shape(geo, params.n_heads));
   if (plan.keys_per_split <= 0 || plan.keys_per_split % kTileTokens != 0 || plan.n_splits <= 0 ||
       plan.n_splits % kWarpsPerCta != 0) {
     return Status::error("decode attention: bad plan");
@@ -526,9 +767,9 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   if (n_rows == 0) return Status();
   const int group = int(params.n_heads / geo.n_kv_heads);
   const bool e4m3 = geo.dtype == KvCacheDtype::kE4m3;
-  const float factor = !e4m3         ? 1.0f
-                       : native_e4m3 ? E4m3Decoder<E4m3Decode::kNative>::kValueFactor
-                                     : E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
+  const float factor = !e4m3                ? 1.0f
+                       : config.native_e4m3 ? E4m3Decoder<E4m3Decode::kNative>::kValueFactor
+                                            : E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
 
   DecodeKernelParams kp{};
   kp.cache = static_cast<const uint8_t*>(params.cache.data);
@@ -556,15 +797,12 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   kp.l = workspace.l;
   kp.acc = workspace.acc;
 
-  if (!e4m3) {
-    launch_for_dim<ElemF16>(geo.head_dim, kp, n_rows, geo.n_kv_heads, group, stream);
-  } else if (native_e4m3) {
-    launch_for_dim<ElemE4m3<E4m3Decode::kNative>>(geo.head_dim, kp, n_rows, geo.n_kv_heads, group,
-                                                  stream);
-  } else {
-    launch_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(geo.head_dim, kp, n_rows, geo.n_kv_heads, group,
-                                                    stream);
-  }
+  const DecodeInstance inst = select_instance(geo.head_dim, group, geo.dtype, config);
+  allow_shared_memory(inst);
+  const dim3 grid(unsigned(n_rows * geo.n_kv_heads),
+                  unsigned((plan.n_splits + kWarpsPerCta - 1) / kWarpsPerCta));
+  inst.kernel<<<grid, dim3(kWarpsPerCta * 32), inst.smem_bytes, stream>>>(kp);
+  E4KV_CUDA_CHECK_LAUNCH();
 
   MergeKernelParams mp{};
   mp.n_heads = int32_t(params.n_heads);

@@ -10,6 +10,7 @@
 
 #include "backend/attention_params.h"
 #include "core/status.h"
+#include "kv/kv_cache_view.h"
 
 namespace e4kv::cuda {
 
@@ -20,10 +21,33 @@ struct DecodeAttentionPlan {
   int64_t n_splits = 0;        // per row
 };
 
-// Picks the split so that the launch fills `n_sms` multiprocessors with a few warps each.
-// max_keys: the most keys any row attends (row_pos + 1, or the QSA selection count).
+// How the decode kernel moves K/V bytes from global memory.
+enum class DecodeLoadPath {
+  kRegisters,  // straight into registers, one iteration at a time (sm_75+)
+  kAsyncCopy,  // cp.async into a per-warp shared-memory ring, iterations ahead (sm_80+ only)
+};
+
+struct DecodeAttentionConfig {
+  bool native_e4m3 = false;  // cvt.e4m3x2 (decode_attention_native_e4m3_usable), else software
+  DecodeLoadPath load = DecodeLoadPath::kRegisters;
+};
+
+// The fastest configuration `device` runs: native E4M3 where usable and not forced to software,
+// the async-copy path on sm_80+.
+DecodeAttentionConfig decode_attention_config(int device, bool force_software_e4m3);
+
+// How many CTAs of the kernel instance for this shape and config fit on `device` at once (SMs x
+// CTAs per SM at its registers and shared memory): the planner's wave size. Errors name a shape
+// outside the kernel's limits.
+Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64_t n_heads,
+                                               const DecodeAttentionConfig& config, int device);
+
+// Picks the split count (a multiple of 4, at least 64 keys per split) that finishes soonest when
+// `resident_ctas` CTAs run at once: ceil(CTAs / resident) waves x keys per split, the fewest
+// splits within 2% of the best. max_keys: the most keys any row attends (row_pos + 1, or the QSA
+// selection count).
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
-                                          int n_sms);
+                                          int64_t resident_ctas);
 
 // Partial results between the two kernels (device memory, fp32):
 //   m, l: [n_rows, n_splits, n_heads]; acc: [n_rows, n_splits, n_heads, head_dim]
@@ -46,10 +70,11 @@ size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, i
 
 // out = attention of every row of params.rows (device pointers throughout; params.out fp32).
 // Limits: head_dim 64, 128 or 256; GQA group (n_heads / n_kv_heads) <= 16; block_size a multiple
-// of 8. E4M3 caches use the native conversion when `native_e4m3` (sm_89+ builds) and the software
-// decoder otherwise. Returns an error for shapes outside the limits; launch failures are fatal.
+// of 8. E4M3 caches use the native conversion when config.native_e4m3 and the software decoder
+// otherwise; config.load kAsyncCopy needs sm_80+ (decode_attention_config picks it only there).
+// Returns an error for shapes outside the limits; launch failures are fatal.
 Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAttentionPlan& plan,
-                              const DecodeAttentionWorkspace& workspace, bool native_e4m3,
-                              cudaStream_t stream);
+                              const DecodeAttentionWorkspace& workspace,
+                              const DecodeAttentionConfig& config, cudaStream_t stream);
 
 }  // namespace e4kv::cuda
