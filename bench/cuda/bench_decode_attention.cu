@@ -128,7 +128,8 @@ Measurement run(const Shape& s, KvCacheDtype dtype, const DecodeAttentionConfig&
   p.out = d_out;
 
   const Result<int64_t> resident = decode_attention_resident_ctas(geo, s.n_heads, config, 0);
-  if (!resident.ok()) std::fprintf(stderr, "%s\n", resident.status().message().c_str()), std::exit(1);
+  if (!resident.ok())
+    std::fprintf(stderr, "%s\n", resident.status().message().c_str()), std::exit(1);
   const DecodeAttentionPlan plan = plan_decode_attention(s.batch, s.n_kv_heads, keys, *resident);
   float* d_ws = nullptr;
   const size_t ws_floats =
@@ -155,18 +156,20 @@ Measurement run(const Shape& s, KvCacheDtype dtype, const DecodeAttentionConfig&
                     (void*)d_sel, (void*)d_counts, (void*)d_q, (void*)d_out, (void*)d_ws}) {
     E4KV_CUDA_CHECK(cudaFree(ptr));
   }
-  return Measurement{s.name, kv_name(dtype, config), ms, bytes, bytes / (ms * 1e-3) / 1e12,
-                     plan.n_splits, *resident};
+  return Measurement{s.name,   kv_name(dtype, config),     ms,
+                     bytes,    bytes / (ms * 1e-3) / 1e12, plan.n_splits,
+                     *resident};
 }
 
 }  // namespace
 
-// Usage: e4kv_bench_decode_attention [OUT.json [SHAPE_FILTER [KV_FILTER]]] (filters are
-// substrings).
+// Usage: e4kv_bench_decode_attention [OUT.json [SHAPE_FILTER [KV_FILTER [LOADS]]]] (filters are
+// substrings; LOADS: "best" for the device's load path only, default both).
 int main(int argc, char** argv) {
   const char* json_path = argc > 1 ? argv[1] : "decode_attention.json";
   const std::string shape_filter = argc > 2 ? argv[2] : "";
   const std::string kv_filter = argc > 3 ? argv[3] : "";
+  const bool best_load_only = argc > 4 && std::string(argv[4]) == "best";
   if (device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -191,7 +194,9 @@ int main(int argc, char** argv) {
     // The device's best configuration, and the register load path where that is async (the
     // path sm_75 runs), FP16 and software E4M3 first.
     std::vector<DecodeLoadPath> loads{best.load};
-    if (best.load != DecodeLoadPath::kRegisters) loads.push_back(DecodeLoadPath::kRegisters);
+    if (best.load != DecodeLoadPath::kRegisters && !best_load_only) {
+      loads.push_back(DecodeLoadPath::kRegisters);
+    }
     std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds;
     for (DecodeLoadPath load : loads) {
       kinds.push_back({KvCacheDtype::kF16, {false, load}});

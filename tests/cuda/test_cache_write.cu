@@ -3,15 +3,19 @@
 // block_size {16,64} x FP16/E4M3, int64 and int32 slot mappings with -1 entries over shuffled
 // slots, inputs with inf/NaN, E4M3 rounding ties, saturating values, -0 and subnormals. The caches
 // are poisoned with random bytes first; every byte must equal the CPU result (untouched slots keep
-// the poison), the non-finite counts and the fused statistics must be identical.
+// the poison), the non-finite counts and the fused statistics must be identical. Rows of up to 10
+// chunks of 16 elements per lane, and E4M3 scales that select each division form
+// (cache_write_division_mode), K and V in different forms.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/cache_write.h"
@@ -34,12 +38,15 @@ struct Case {
   KvCacheDtype dtype;
   bool slots32;
   int64_t n_tokens;
+  // E4M3 scales; 0: the defaults of run_case.
+  float k_scale = 0.0f;
+  float v_scale = 0.0f;
 };
 
 std::string describe(const Case& c) {
   return cat("d", c.head_dim, " kv", c.n_kv_heads, " bs", c.block_size,
              c.dtype == KvCacheDtype::kF16 ? " f16" : " e4m3", c.slots32 ? " slots32" : " slots64",
-             " tokens", c.n_tokens);
+             " tokens", c.n_tokens, " k_scale ", c.k_scale, " v_scale ", c.v_scale);
 }
 
 // FP16 values of x * scale for x at the midpoint between two neighbouring E4M3 values (exact
@@ -117,9 +124,11 @@ void run_case(const Case& c, uint32_t seed) {
   // Room for half again as many tokens, so some slots stay untouched.
   const int64_t n_blocks = (c.n_tokens * 3 / 2) / c.block_size + 2;
   const KvCacheGeometry geo{n_blocks, c.block_size, c.n_kv_heads, c.head_dim, c.dtype};
-  // k_scale: not a power of two (near ties only); v_scale: a power of two (exact ties).
-  const float k_scale = e4m3 ? 0.0234375f * (1.0f + float(seed % 7) / 13.0f) : 1.0f;
-  const float v_scale = e4m3 ? 0.0078125f : 1.0f;
+  // Default k_scale: not a power of two (near ties only); v_scale: a power of two (exact ties).
+  const float k_scale = !e4m3              ? 1.0f
+                        : c.k_scale > 0.0f ? c.k_scale
+                                           : 0.0234375f * (1.0f + float(seed % 7) / 13.0f);
+  const float v_scale = !e4m3 ? 1.0f : c.v_scale > 0.0f ? c.v_scale : 0.0078125f;
 
   std::vector<uint16_t> k = make_values(rng, c.n_tokens * row, c.head_dim, 2.0f, k_scale);
   std::vector<uint16_t> v = make_values(rng, c.n_tokens * row, c.head_dim, 0.5f, v_scale);
@@ -237,9 +246,18 @@ TEST(CacheWriteCuda, LargeAndTinyBatches) {
   run_case(Case{256, 2, 16, KvCacheDtype::kE4m3, true, 1}, 1003);
 }
 
-// Every FP16 bit pattern through the E4M3 path at several scales, against e4m3_encode.
-TEST(CacheWriteCuda, EveryFp16PatternMatchesTheCodec) {
+// Rows whose lanes hold several chunks of 16 elements: 48 chunks (lanes 0-15 two, the others one)
+// and 320 (steps of 4, 4 and 2 chunks per lane; of 2 with statistics).
+TEST(CacheWriteCuda, RowsOfSeveralChunksPerLane) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  run_case(Case{128, 6, 16, KvCacheDtype::kE4m3, false, 200}, 1101);
+  run_case(Case{128, 40, 16, KvCacheDtype::kE4m3, true, 100}, 1102);
+  run_case(Case{128, 40, 16, KvCacheDtype::kF16, false, 100}, 1103);
+}
+
+// Every FP16 bit pattern through the E4M3 path (K and V at their own scales), against e4m3_encode.
+void expect_every_pattern_matches(float k_scale, float v_scale) {
+  SCOPED_TRACE(cat("k_scale ", k_scale, " v_scale ", v_scale));
   const int64_t row = 8 * 128;
   const int64_t n_tokens = 65536 / row;
   const KvCacheGeometry geo{n_tokens / 64, 64, 8, 128, KvCacheDtype::kE4m3};
@@ -253,33 +271,82 @@ TEST(CacheWriteCuda, EveryFp16PatternMatchesTheCodec) {
   DeviceBuffer<int64_t> d_slots(slots);
   DeviceBuffer<uint8_t> d_cache(geo.total_bytes());
   DeviceBuffer<unsigned long long> d_non_finite(2);
-  for (float scale : {1.0f, 0.0234375f, 1.0f / 448.0f, 3.0e-5f, 7.1f, 1.0e-20f, 1.0e20f}) {
-    SCOPED_TRACE(cat("scale ", scale));
-    E4KV_CUDA_CHECK(cudaMemset(d_cache.ptr, 0x5A, geo.total_bytes()));
-    E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
-    const Status st =
-        cache_write(KvCacheView{d_cache.ptr, geo, scale, scale * 1.5f}, d_k.ptr, d_v.ptr,
-                    d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message();
-    const std::vector<uint8_t> got = d_cache.to_host();
-    int64_t n_bad = 0;
-    for (int64_t t = 0; t < n_tokens; ++t) {
-      for (int kv = 0; kv < 2; ++kv) {
-        for (int64_t i = 0; i < row; ++i) {
-          const uint16_t h = (kv == 0 ? k : v)[size_t(t * row + i)];
-          const uint8_t want = e4m3_encode(f16_to_f32(h), kv == 0 ? scale : scale * 1.5f);
-          const uint8_t have = got[size_t(geo.elem_offset(t / 64, kv, t % 64, 0) + i)];
-          if (have != want && n_bad++ < 5) {
-            ADD_FAILURE() << "fp16 0x" << std::hex << h << (kv ? " V" : " K") << ": gpu 0x"
-                          << int(have) << " codec 0x" << int(want) << std::dec;
-          }
+  E4KV_CUDA_CHECK(cudaMemset(d_cache.ptr, 0x5A, geo.total_bytes()));
+  E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
+  const Status st = cache_write(KvCacheView{d_cache.ptr, geo, k_scale, v_scale}, d_k.ptr, d_v.ptr,
+                                d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr);
+  ASSERT_TRUE(st.ok()) << st.message();
+  const std::vector<uint8_t> got = d_cache.to_host();
+  int64_t n_bad = 0;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t i = 0; i < row; ++i) {
+        const uint16_t h = (kv == 0 ? k : v)[size_t(t * row + i)];
+        const uint8_t want = e4m3_encode(f16_to_f32(h), kv == 0 ? k_scale : v_scale);
+        const uint8_t have = got[size_t(geo.elem_offset(t / 64, kv, t % 64, 0) + i)];
+        if (have != want && n_bad++ < 5) {
+          ADD_FAILURE() << "fp16 0x" << std::hex << h << (kv ? " V" : " K") << ": gpu 0x"
+                        << int(have) << " codec 0x" << int(want) << std::dec;
         }
       }
     }
-    EXPECT_EQ(n_bad, 0);
-    const std::vector<unsigned long long> counts = d_non_finite.to_host();
-    EXPECT_EQ(counts[0], 2048u);  // 2 * 1024 patterns with an all-ones exponent
-    EXPECT_EQ(counts[1], 2048u);
+  }
+  EXPECT_EQ(n_bad, 0);
+  const std::vector<unsigned long long> counts = d_non_finite.to_host();
+  EXPECT_EQ(counts[0], 2048u);  // 2 * 1024 patterns with an all-ones exponent
+  EXPECT_EQ(counts[1], 2048u);
+}
+
+TEST(CacheWriteCuda, EveryFp16PatternMatchesTheCodec) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (float scale : {1.0f, 0.0234375f, 1.0f / 448.0f, 3.0e-5f, 7.1f, 1.0e-20f, 1.0e20f}) {
+    expect_every_pattern_matches(scale, scale * 1.5f);
+  }
+}
+
+// One scale per division form ([form] = scale), from random scales of a fixed seed: calibration-
+// like ones (FP16 absmax / 448) give the reciprocal and the corrected form, log-uniform ones over
+// all that the scale gate accepts give the exact form below about 2^-128 (1 / scale overflows).
+std::array<float, 3> scales_per_division() {
+  std::array<float, 3> found = {0.0f, 0.0f, 0.0f};
+  std::mt19937 rng(4242);
+  std::uniform_int_distribution<int> absmax(1, 0x7BFF);
+  std::uniform_real_distribution<float> exponent(-149.0f, 127.5f);
+  for (int i = 0; i < 4000 && std::count(found.begin(), found.end(), 0.0f) > 0; ++i) {
+    const float scale =
+        i % 2 == 0 ? f16_to_f32(uint16_t(absmax(rng))) / 448.0f : std::exp2(exponent(rng));
+    if (!(scale > 0.0f)) continue;  // exp2 underflowed
+    float& slot = found[size_t(cache_write_division_mode(scale))];
+    if (slot == 0.0f) slot = scale;
+  }
+  return found;
+}
+
+TEST(CacheWriteCuda, EveryDivisionFormMatchesTheCpuReference) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::array<float, 3> scales = scales_per_division();
+  for (size_t d = 0; d < scales.size(); ++d) {
+    ASSERT_GT(scales[d], 0.0f) << "no scale found for division form " << d;
+    EXPECT_EQ(int(cache_write_division_mode(scales[d])), int(d));
+  }
+  std::printf("[ info ] scales per division form: reciprocal %a, corrected %a, exact %a\n",
+              double(scales[0]), double(scales[1]), double(scales[2]));
+  // Every FP16 pattern; each form once for K and once for V, next to another one.
+  for (size_t d = 0; d < scales.size(); ++d) {
+    expect_every_pattern_matches(scales[d], scales[(d + 1) % scales.size()]);
+  }
+  // Random rows with statistics and non-finite values, 1, 2 and 4 chunks per lane.
+  uint32_t seed = 2001;
+  for (size_t d = 0; d < scales.size(); ++d) {
+    const float k_scale = scales[d];
+    const float v_scale = scales[(d + 2) % scales.size()];
+    for (const auto& [head_dim, n_kv_heads] :
+         {std::pair{256, 2}, std::pair{128, 8}, std::pair{128, 16}}) {
+      run_case(
+          Case{head_dim, n_kv_heads, 64, KvCacheDtype::kE4m3, seed % 2 == 0, 300, k_scale, v_scale},
+          seed);
+      ++seed;
+    }
   }
 }
 

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "attention_data.h"
 #include "backend/cpu/attention.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
-#include "attention_data.h"
 #include "device_buffer.cuh"
 #include "qsa/route_planner.h"
 

@@ -3,13 +3,19 @@
 // backend/cpu/cache_write.cpp is the oracle; the cache bytes and counts are identical.
 //
 // Work: one warp per (token, K|V) row; gridDim.y = 2 (K, V), 8 warps per CTA, a grid-stride loop
-// over tokens. Each lane moves 16 contiguous elements per step: two 16-byte loads, then one
-// 16-byte store (E4M3) or two (FP16). A slot of -1 skips the token (the whole warp).
+// over tokens. A chunk is 16 contiguous elements: two 16-byte loads, then one 16-byte store (E4M3)
+// or two (FP16). Lane l takes chunks l, l + 32, l + 64, ... of a row, kUnroll per step, and issues
+// the loads of a step's chunks before any of its stores: the compiler would not move a load above a
+// store on its own (dst may alias the source as far as it knows), so a row of 1024 elements took
+// two round trips to memory instead of one. kUnroll is a lane's chunks per row rounded up to 1, 2
+// or 4 (at most 2 with statistics), picked per launch: a chunk in flight holds 8 registers, and a
+// kernel for fewer keeps more CTAs per SM (the budgets: min_ctas_per_sm). A slot of -1 skips the
+// token (the whole warp).
 //
 // E4M3 encode, exact for finite x without the general codec's branches:
-//   a = min(|x| / scale, 448)   the IEEE division (__fdiv_rn) of e4m3_encode; scale > 0, so
-//                               |x| / scale = |x / scale|; an overflow to inf clamps to 448, which
-//                               is the codec's saturation
+//   q = |x| / scale             in one of the three forms below, each exact for the scales it gets
+//   a = min(q, 448)             scale > 0, so |x| / scale = |x / scale|; an overflow to inf clamps
+//                               to 448, which is the codec's saturation
 //   a >= 2^-6: code = (bits(a) + 0x7FFFF + lsb - 0x3C000000) >> 20   the codec's own RNE
 //   a <  2^-6: code = bits(a + 2^14) - bits(2^14): the fp32 add rounds a to a multiple of 2^-9
 //              (the ulp of [2^14, 2^15)) half to even, which is the codec's subnormal rounding
@@ -17,24 +23,43 @@
 // min() would turn NaN into 448, so a chunk holding any inf/NaN (found with one x * 0 + acc HFMA2
 // per two elements: NaN for inf/NaN, +-0 otherwise) takes the reference e4m3_encode instead and
 // counts its non-finite elements; the engine treats any as an error, so that path is cold.
-// The division stays: multiplying by 1/scale is not exact for every scale.
+//
+// The division: e4m3_encode's IEEE division (__fdiv_rn: a reciprocal, FMAs, a range check and a
+// slow-path branch) was most of the encode's instructions. A code only depends on q up to E4M3's
+// rounding, and there are only 31744 finite FP16 magnitudes, so per scale the host tries the
+// cheaper forms on every one of them against e4m3_encode and takes the first that gives the
+// reference's code for all (cache_write_division_mode, memoised per scale value; r = 1 / scale is
+// rounded to fp32 on the host and passed in the parameters):
+//   kReciprocal: q = |x| * r                                       one FMUL
+//   kCorrected:  q0 = |x| * r; q = fma(fma(-q0, scale, |x|), r, q0)  FMUL and two FFMAs
+//   kExact:      q = __fdiv_rn(|x|, scale)
+// The host check runs this file's own magnitude_code (host and device), whose products are never
+// contracted into FMAs on either side, so it checks the bits that the GPU computes. Of 20000
+// random calibration-like scales (FP16 absmax / 448) 88% got kReciprocal and 12% kCorrected; kExact
+// came up only for scales <= 2^-128 (subnormal, where 1 / scale overflows). K and V rows are in
+// different blockIdx.y, so the branch on the form is uniform per CTA.
 //
 // Statistics (optional): per element one read of the FP16 -> slot table (64 KB, L1-resident;
 // built from kv_hist_bin_f16) and a shared-memory atomic in the warp's own histogram; CTAs loop
 // over tokens (2 CTAs per SM and tensor) and add their histograms to the global counters once.
 //
 // Limits: n_kv_heads * head_dim a multiple of 16; 16-byte aligned K, V and cache.
-// Why fast: every byte is read once and written once with 16-byte accesses; the encode costs about
-// 16 instructions per element (roughly 10 integer), inside the H200's budget at 3 bytes per
-// element; the block of a slot is a shift for power-of-two block sizes.
+// Why fast: every byte is read once and written once with 16-byte accesses, a lane's loads of up
+// to 4 chunks in flight together; without the division the E4M3 encode is mostly integer work; the
+// block of a slot is a shift for power-of-two block sizes. The speed of this scheme is yet to be
+// measured on the device (bench/cuda/bench_cache_write.cu); bench/RESULTS.md has the figures of
+// the previous one (one chunk per lane and step, always __fdiv_rn).
 #include "backend/cuda/cache_write.cuh"
 
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
 
 #include "backend/cuda/cuda_check.h"
+#include "core/check.h"
 #include "core/half.h"
 #include "e4kv/e4m3.h"
 
@@ -43,10 +68,14 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 16;  // elements per lane and step
+constexpr int kChunk = 16;  // elements per chunk
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int64_t kMaxCtas = int64_t(1) << 20;  // per tensor; more tokens loop
 constexpr int kStatsCtasPerSm = 2;  // per tensor: few CTAs, each merges its histogram once
+// FP16 magnitudes (bits & 0x7FFF) below this are finite.
+constexpr uint32_t kF16Infinity = 0x7C00u;
+// Scales whose division form is remembered; a caller cycling through more starts over.
+constexpr size_t kMaxMemoisedScales = 4096;
 
 struct CacheWriteKernelParams {
   const uint16_t* k;         // [n_tokens, n_kv_heads, head_dim] FP16
@@ -61,12 +90,94 @@ struct CacheWriteKernelParams {
   int64_t row_elems;    // n_kv_heads * head_dim
   float k_scale;
   float v_scale;
+  float k_reciprocal;  // division_reciprocal(k_scale)
+  float v_reciprocal;  // division_reciprocal(v_scale)
+  CacheWriteDivision k_division;
+  CacheWriteDivision v_division;
   unsigned long long* non_finite;     // [2] (K, V) or nullptr
   CacheWriteStatsCounters* counters;  // nullptr without statistics
   const uint16_t* slot_table;         // [kCacheWriteStatTableSize]
   // 0: the multiplier of the inf/NaN test, a parameter so that no compiler folds x * 0.
   uint32_t zero_f16x2;
 };
+
+// fp32 operations rounded to nearest that compute the same bits in the kernel and in the host's
+// division check. The device intrinsics are never contracted into an FMA; on the host the product
+// goes through a volatile so that no contraction can fuse it either (std::fma is the fused one).
+__host__ __device__ __forceinline__ float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  const volatile float product = a * b;
+  return product;
+#endif
+}
+
+__host__ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+__host__ __device__ __forceinline__ float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// The r of the cheaper division forms, the same value for the host check and the kernel.
+float division_reciprocal(float scale) {
+  return 1.0f / scale;
+}
+
+// a / scale for a >= 0 in the form kDivision; r = division_reciprocal(scale).
+template <CacheWriteDivision kDivision>
+__host__ __device__ __forceinline__ float divide(float a, float scale, float r) {
+  if constexpr (kDivision == CacheWriteDivision::kReciprocal) {
+    return mul_rn(a, r);
+  } else if constexpr (kDivision == CacheWriteDivision::kCorrected) {
+    const float q0 = mul_rn(a, r);
+    return fma_rn(fma_rn(-q0, scale, a), r, q0);
+  } else {
+    return e4m3_detail::divide_rn(a, scale);
+  }
+}
+
+// E4M3 code of a / scale without the sign, for finite a >= 0 (see the top of the file).
+template <CacheWriteDivision kDivision>
+__host__ __device__ __forceinline__ uint32_t magnitude_code(float a, float scale, float r) {
+  const float q = fminf(divide<kDivision>(a, scale, r), kE4m3Max);
+  const uint32_t m = e4m3_detail::float_bits(q);
+  const uint32_t normal = (m + 0x7FFFFu + ((m >> 20) & 1u) - 0x3C000000u) >> 20;
+  const uint32_t subnormal = e4m3_detail::float_bits(add_rn(q, 16384.0f)) - 0x46800000u;
+  return m < 0x3C800000u ? subnormal : normal;
+}
+
+// True when kDivision gives e4m3_encode's code at `scale` for every finite FP16 magnitude.
+template <CacheWriteDivision kDivision>
+bool division_is_exact(float scale) {
+  const float r = division_reciprocal(scale);
+  for (uint32_t h = 0; h < kF16Infinity; ++h) {
+    const float a = f16_to_f32(uint16_t(h));
+    // a >= 0, so the reference code has no sign bit.
+    if (magnitude_code<kDivision>(a, scale, r) != e4m3_encode(a, scale)) return false;
+  }
+  return true;
+}
+
+CacheWriteDivision choose_division(float scale) {
+  if (division_is_exact<CacheWriteDivision::kReciprocal>(scale)) {
+    return CacheWriteDivision::kReciprocal;
+  }
+  if (division_is_exact<CacheWriteDivision::kCorrected>(scale)) {
+    return CacheWriteDivision::kCorrected;
+  }
+  return CacheWriteDivision::kExact;
+}
 
 __device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
@@ -85,22 +196,17 @@ __device__ __forceinline__ int count_non_finite(uint32_t w) {
   return __popc(((w & 0x7C007C00u) + 0x04000400u) & 0x80008000u);
 }
 
-// E4M3 code of |x| / scale without the sign, for finite x (see the top of the file).
-__device__ __forceinline__ uint32_t magnitude_code(float x, float scale) {
-  const float a = fminf(__fdiv_rn(fabsf(x), scale), kE4m3Max);
-  const uint32_t m = __float_as_uint(a);
-  const uint32_t normal = (m + 0x7FFFFu + ((m >> 20) & 1u) - 0x3C000000u) >> 20;
-  const uint32_t subnormal = __float_as_uint(__fadd_rn(a, 16384.0f)) - 0x46800000u;
-  return m < 0x3C800000u ? subnormal : normal;
-}
-
 // Four finite FP16 values (w0 = elements 0, 1; w1 = 2, 3; first in the low half) -> four codes,
 // code i in byte i.
-__device__ __forceinline__ uint32_t encode4_finite(uint32_t w0, uint32_t w1, float scale) {
-  const uint32_t c0 = magnitude_code(half_bits_to_float(w0 & 0xFFFFu), scale);
-  const uint32_t c1 = magnitude_code(half_bits_to_float(w0 >> 16), scale);
-  const uint32_t c2 = magnitude_code(half_bits_to_float(w1 & 0xFFFFu), scale);
-  const uint32_t c3 = magnitude_code(half_bits_to_float(w1 >> 16), scale);
+template <CacheWriteDivision kDivision>
+__device__ __forceinline__ uint32_t encode4_finite(uint32_t w0, uint32_t w1, float scale, float r) {
+  const auto code = [&](uint32_t bits16) {
+    return magnitude_code<kDivision>(fabsf(half_bits_to_float(bits16)), scale, r);
+  };
+  const uint32_t c0 = code(w0 & 0xFFFFu);
+  const uint32_t c1 = code(w0 >> 16);
+  const uint32_t c2 = code(w1 & 0xFFFFu);
+  const uint32_t c3 = code(w1 >> 16);
   const uint32_t codes =
       __byte_perm(__byte_perm(c0, c1, 0x0040u), __byte_perm(c2, c3, 0x0040u), 0x5410u);
   const uint32_t signs = __byte_perm(w0, w1, 0x7531u);  // the high byte of each FP16
@@ -114,6 +220,67 @@ __device__ __noinline__ uint32_t encode4_exact(uint32_t w0, uint32_t w1, float s
   const uint32_t c2 = e4m3_encode(half_bits_to_float(w1 & 0xFFFFu), scale);
   const uint32_t c3 = e4m3_encode(half_bits_to_float(w1 >> 16), scale);
   return c0 | c1 << 8 | c2 << 16 | c3 << 24;
+}
+
+// What a chunk (w: 16 FP16 values, two per word, first in the low half) becomes in the cache row
+// dst: FP16 as it is, or E4M3 codes.
+struct ChunkToF16 {
+  static constexpr int64_t kElemBytes = 2;
+
+  __device__ __forceinline__ void store(uint4* dst, int c, const uint32_t (&w)[kChunk / 2],
+                                        bool) const {
+    dst[2 * c] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[2 * c + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+};
+
+template <CacheWriteDivision kDivision>
+struct ChunkToE4m3 {
+  static constexpr int64_t kElemBytes = 1;
+  float scale;
+  float r;  // division_reciprocal(scale)
+
+  __device__ __forceinline__ void store(uint4* dst, int c, const uint32_t (&w)[kChunk / 2],
+                                        bool all_finite) const {
+    uint4 out;
+    if (all_finite) {
+      out.x = encode4_finite<kDivision>(w[0], w[1], scale, r);
+      out.y = encode4_finite<kDivision>(w[2], w[3], scale, r);
+      out.z = encode4_finite<kDivision>(w[4], w[5], scale, r);
+      out.w = encode4_finite<kDivision>(w[6], w[7], scale, r);
+    } else {
+      out.x = encode4_exact(w[0], w[1], scale);
+      out.y = encode4_exact(w[2], w[3], scale);
+      out.z = encode4_exact(w[4], w[5], scale);
+      out.w = encode4_exact(w[6], w[7], scale);
+    }
+    dst[c] = out;
+  }
+};
+
+// Threads an SM holds, which bounds the CTAs that __launch_bounds__ may ask for: 2048 on sm_80,
+// sm_90 and sm_100, 1024 on sm_75, 1536 assumed elsewhere (sm_86, sm_89, sm_120; asking for fewer
+// CTAs than fit only loosens the register budget).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int kMaxThreadsPerSm = 1024;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ != 900 && \
+    __CUDA_ARCH__ != 1000
+constexpr int kMaxThreadsPerSm = 1536;
+#else
+constexpr int kMaxThreadsPerSm = 2048;
+#endif
+
+// CTAs per SM that the kernel's register budget must allow: with 64K registers and 256 threads,
+// 8 / 5 / 4 / 3 CTAs leave 32 / 48 / 64 / 80 registers. FP16 with one chunk per lane keeps full
+// occupancy; more chunks in flight cost 8 registers each. The E4M3 encode needs more: there the
+// budgets are the smallest at which ptxas (CUDA 13, sm_90) does not spill. With statistics the grid
+// has kStatsCtasPerSm CTAs per SM for each of K and V, which must all be resident.
+constexpr int min_ctas_per_sm(bool e4m3, bool stats, int unroll) {
+  const int fit = kMaxThreadsPerSm / kThreads;
+  if (stats) return std::min(2 * kStatsCtasPerSm, fit);
+  if (unroll == 1) return std::min(e4m3 ? 5 : 8, fit);
+  if (unroll == 2) return std::min(e4m3 ? 4 : 5, fit);
+  return std::min(e4m3 ? 3 : 4, fit);
 }
 
 // Per-CTA statistics of one tensor: a histogram per warp (same-address atomics of one warp do not
@@ -153,7 +320,7 @@ struct StatsCollector<true> {
     for (int i = 0; i < kChunk; ++i) {
       const uint32_t mag = (w[i / 2] >> (16 * (i % 2))) & 0x7FFFu;
       atomicAdd(&hist[__ldg(table + mag)], 1u);
-      if (mag < 0x7C00u) absmax = max(absmax, mag);  // FP16 magnitudes order like their bits
+      if (mag < kF16Infinity) absmax = max(absmax, mag);  // FP16 magnitudes order like their bits
     }
   }
 
@@ -176,27 +343,18 @@ struct StatsCollector<true> {
   }
 };
 
-template <bool kE4m3, bool kStats, class Slot>
-__global__ void __launch_bounds__(kThreads)
-    cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
+// The CTA's share of the rows of one tensor (K or V: blockIdx.y), each chunk stored by `chunk`;
+// kUnroll chunks per lane and step.
+template <int kUnroll, bool kStats, class Slot, class Chunk>
+__device__ __forceinline__ void write_rows(const CacheWriteKernelParams& p, const Chunk& chunk,
+                                           StatsCollector<kStats>& stats,
+                                           unsigned long long& non_finite) {
   const int kv = int(blockIdx.y);
   const int warp = int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   const uint16_t* __restrict__ src_tensor = kv == 0 ? p.k : p.v;
-  const float scale = kv == 0 ? p.k_scale : p.v_scale;
   const Slot* __restrict__ slot_mapping = static_cast<const Slot*>(p.slot_mapping);
-  constexpr int64_t kElemBytes = kE4m3 ? 1 : 2;
 
-  StatsCollector<kStats> stats;
-  if constexpr (kStats) {
-    __shared__ StatsShared shared;
-    stats.shared = &shared;
-    stats.table = p.slot_table;
-    stats.warp = warp;
-  }
-  stats.begin();
-
-  unsigned long long non_finite = 0;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + warp; t < p.n_tokens;
        t += int64_t(gridDim.x) * kWarps) {
     const int64_t slot = int64_t(__ldg(slot_mapping + t));
@@ -205,39 +363,83 @@ __global__ void __launch_bounds__(kThreads)
     // Row (block * 2 + kv) * block_size + slot % block_size of the cache, in rows of row_elems.
     const int64_t dst_row = slot + (block + kv) * p.block_size;
     const uint4* src = reinterpret_cast<const uint4*>(src_tensor + t * p.row_elems);
-    uint4* dst = reinterpret_cast<uint4*>(p.cache + dst_row * p.row_elems * kElemBytes);
-    for (int c = lane; c < p.row_chunks; c += 32) {
-      const uint4 lo = __ldg(src + 2 * c);
-      const uint4 hi = __ldg(src + 2 * c + 1);
-      const uint32_t w[kChunk / 2] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      uint32_t acc = 0;
+    uint4* dst = reinterpret_cast<uint4*>(p.cache + dst_row * p.row_elems * Chunk::kElemBytes);
+    for (int first = lane; first < p.row_chunks; first += 32 * kUnroll) {
+      // Chunk u of the step is first + 32 * u; all loads first (see the top of the file).
+      uint32_t w[kUnroll][kChunk / 2];
 #pragma unroll
-      for (int i = 0; i < kChunk / 2; ++i) acc = accumulate_non_finite(w[i], p.zero_f16x2, acc);
-      const bool all_finite = (acc & 0x7FFF7FFFu) == 0;
-      if (!all_finite) {
-#pragma unroll
-        for (int i = 0; i < kChunk / 2; ++i) non_finite += count_non_finite(w[i]);
-      }
-      stats.observe(w);
-      if constexpr (kE4m3) {
-        uint4 out;
-        if (all_finite) {
-          out.x = encode4_finite(w[0], w[1], scale);
-          out.y = encode4_finite(w[2], w[3], scale);
-          out.z = encode4_finite(w[4], w[5], scale);
-          out.w = encode4_finite(w[6], w[7], scale);
-        } else {
-          out.x = encode4_exact(w[0], w[1], scale);
-          out.y = encode4_exact(w[2], w[3], scale);
-          out.z = encode4_exact(w[4], w[5], scale);
-          out.w = encode4_exact(w[6], w[7], scale);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = first + 32 * u;
+        if (c < p.row_chunks) {
+          const uint4 lo = __ldg(src + 2 * c);
+          const uint4 hi = __ldg(src + 2 * c + 1);
+          w[u][0] = lo.x;
+          w[u][1] = lo.y;
+          w[u][2] = lo.z;
+          w[u][3] = lo.w;
+          w[u][4] = hi.x;
+          w[u][5] = hi.y;
+          w[u][6] = hi.z;
+          w[u][7] = hi.w;
         }
-        dst[c] = out;
-      } else {
-        dst[2 * c] = lo;
-        dst[2 * c + 1] = hi;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = first + 32 * u;
+        if (c >= p.row_chunks) break;
+        uint32_t acc = 0;
+#pragma unroll
+        for (int i = 0; i < kChunk / 2; ++i) {
+          acc = accumulate_non_finite(w[u][i], p.zero_f16x2, acc);
+        }
+        const bool all_finite = (acc & 0x7FFF7FFFu) == 0;
+        if (!all_finite) {
+#pragma unroll
+          for (int i = 0; i < kChunk / 2; ++i) non_finite += count_non_finite(w[u][i]);
+        }
+        stats.observe(w[u]);
+        chunk.store(dst, c, w[u], all_finite);
       }
     }
+  }
+}
+
+template <bool kE4m3, bool kStats, int kUnroll, class Slot>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnroll))
+    cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
+  const int kv = int(blockIdx.y);
+  const int lane = int(threadIdx.x) % 32;
+
+  StatsCollector<kStats> stats;
+  if constexpr (kStats) {
+    __shared__ StatsShared shared;
+    stats.shared = &shared;
+    stats.table = p.slot_table;
+    stats.warp = int(threadIdx.x) / 32;
+  }
+  stats.begin();
+
+  unsigned long long non_finite = 0;
+  if constexpr (kE4m3) {
+    const float scale = kv == 0 ? p.k_scale : p.v_scale;
+    const float r = kv == 0 ? p.k_reciprocal : p.v_reciprocal;
+    // Uniform per CTA (K and V are different blockIdx.y).
+    switch (kv == 0 ? p.k_division : p.v_division) {
+      case CacheWriteDivision::kReciprocal:
+        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kReciprocal>{scale, r},
+                                          stats, non_finite);
+        break;
+      case CacheWriteDivision::kCorrected:
+        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kCorrected>{scale, r},
+                                          stats, non_finite);
+        break;
+      case CacheWriteDivision::kExact:
+        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kExact>{scale, r},
+                                          stats, non_finite);
+        break;
+    }
+  } else {
+    write_rows<kUnroll, kStats, Slot>(p, ChunkToF16{}, stats, non_finite);
   }
 
   // Warp-aggregated: one atomic per warp that saw any inf/NaN.
@@ -250,14 +452,29 @@ __global__ void __launch_bounds__(kThreads)
   stats.end(p);
 }
 
-template <bool kE4m3, bool kStats>
+template <bool kE4m3, bool kStats, int kUnroll>
 void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
   if (slots64) {
-    cache_write_kernel<kE4m3, kStats, int64_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kE4m3, kStats, kUnroll, int64_t><<<grid, kThreads, 0, stream>>>(kp);
   } else {
-    cache_write_kernel<kE4m3, kStats, int32_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kE4m3, kStats, kUnroll, int32_t><<<grid, kThreads, 0, stream>>>(kp);
   }
   E4KV_CUDA_CHECK_LAUNCH();
+}
+
+template <bool kE4m3, bool kStats>
+void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
+  // A lane's chunks of a row, rounded up to 1, 2 or 4 (longer rows take several steps): the data
+  // registers grow with kUnroll, so shorter rows keep the occupancy of fewer. At most 2 with
+  // statistics: 4 would not fit their register budget (min_ctas_per_sm) without spilling.
+  const int32_t lane_chunks = (kp.row_chunks + 31) / 32;
+  if (lane_chunks <= 1) {
+    launch_kernel<kE4m3, kStats, 1>(kp, slots64, grid, stream);
+  } else if (kStats || lane_chunks <= 2) {
+    launch_kernel<kE4m3, kStats, 2>(kp, slots64, grid, stream);
+  } else if constexpr (!kStats) {
+    launch_kernel<kE4m3, kStats, 4>(kp, slots64, grid, stream);
+  }
 }
 
 bool aligned16(const void* ptr) {
@@ -312,6 +529,14 @@ Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
   kp.row_elems = g.row_elems();
   kp.k_scale = cache.k_scale;
   kp.v_scale = cache.v_scale;
+  kp.k_division = CacheWriteDivision::kExact;
+  kp.v_division = CacheWriteDivision::kExact;
+  if (e4m3) {
+    kp.k_reciprocal = division_reciprocal(cache.k_scale);
+    kp.v_reciprocal = division_reciprocal(cache.v_scale);
+    kp.k_division = cache_write_division_mode(cache.k_scale);
+    kp.v_division = cache_write_division_mode(cache.v_scale);
+  }
   kp.non_finite = non_finite;
   kp.counters = stats != nullptr ? stats->counters : nullptr;
   kp.slot_table = stats != nullptr ? stats->slot_table : nullptr;
@@ -344,6 +569,40 @@ Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
 }
 
 }  // namespace
+
+CacheWriteDivision cache_write_division_mode(float scale) {
+  E4KV_ASSERT(std::isfinite(scale) && scale > 0.0f,
+              cat("cache_write_division_mode: invalid scale ", scale));
+  static std::mutex mutex;
+  static std::unordered_map<uint32_t, CacheWriteDivision> memo;  // by the scale's bits
+  const uint32_t key = f32_bits(scale);
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = memo.find(key);
+    if (it != memo.end()) return it->second;
+  }
+  // Outside the lock: a few hundred microseconds; two threads may both check a new scale.
+  const CacheWriteDivision division = choose_division(scale);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (memo.size() >= kMaxMemoisedScales) memo.clear();
+  memo.emplace(key, division);
+  return division;
+}
+
+uint8_t cache_write_magnitude_code(uint16_t f16_magnitude, float scale,
+                                   CacheWriteDivision division) {
+  E4KV_ASSERT(f16_magnitude < kF16Infinity,
+              cat("cache_write_magnitude_code: not a finite FP16 magnitude: ", f16_magnitude));
+  const float a = f16_to_f32(f16_magnitude);
+  const float r = division_reciprocal(scale);
+  if (division == CacheWriteDivision::kReciprocal) {
+    return uint8_t(magnitude_code<CacheWriteDivision::kReciprocal>(a, scale, r));
+  }
+  if (division == CacheWriteDivision::kCorrected) {
+    return uint8_t(magnitude_code<CacheWriteDivision::kCorrected>(a, scale, r));
+  }
+  return uint8_t(magnitude_code<CacheWriteDivision::kExact>(a, scale, r));
+}
 
 std::vector<uint16_t> cache_write_stats_slot_table() {
   std::vector<uint16_t> table(kCacheWriteStatTableSize);

@@ -61,6 +61,24 @@ class CacheWriteStatsBuffer {
   uint16_t* slot_table_ = nullptr;
 };
 
+// How the E4M3 cache write divides |x| by a scale: the cheapest form that gives e4m3_encode's code
+// for every finite FP16 input at that scale (see the top of cache_write.cu). r = 1 / scale,
+// rounded to fp32 on the host.
+enum class CacheWriteDivision : int32_t {
+  kReciprocal = 0,  // q = |x| * r
+  kCorrected = 1,   // q0 = |x| * r; q = fma(fma(-q0, scale, |x|), r, q0)
+  kExact = 2,       // q = |x| / scale, the IEEE division of e4m3_encode
+};
+
+// The division form for `scale` (finite, > 0): every finite FP16 magnitude is tried on the host
+// with the kernel's arithmetic against e4m3_encode, once per scale value (memoised, thread-safe).
+CacheWriteDivision cache_write_division_mode(float scale);
+
+// The kernel's E4M3 code, without the sign bit, of the FP16 magnitude `f16_magnitude` (< 0x7C00)
+// at `scale` with `division`, computed on the host with the kernel's own arithmetic (for tests).
+uint8_t cache_write_magnitude_code(uint16_t f16_magnitude, float scale,
+                                   CacheWriteDivision division);
+
 // Writes n_tokens K/V rows into one layer's cache (device pointers throughout), as
 // e4kv::cache_write does on the CPU:
 //   k, v:         [n_tokens, n_kv_heads, head_dim] FP16 bits

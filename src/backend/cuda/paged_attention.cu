@@ -30,8 +30,8 @@ Result<int64_t> PagedAttentionRunner::resident_ctas(const KvCacheGeometry& geo, 
   return ctas;
 }
 
-Status PagedAttentionRunner::run(const PagedAttentionParams& params, const QueryBatchView& host_rows,
-                                 cudaStream_t stream) {
+Status PagedAttentionRunner::run(const PagedAttentionParams& params,
+                                 const QueryBatchView& host_rows, cudaStream_t stream) {
   const KvCacheGeometry& geo = params.cache.geometry;
   if (host_rows.n_rows != params.rows.n_rows) {
     return Status::error("attention: host and device row counts differ");
@@ -65,9 +65,8 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params, const Query
     E4KV_CUDA_CHECK(cudaMemcpyAsync(d_items_, items_.data(),
                                     items_.size() * sizeof(PrefillAttentionItem),
                                     cudaMemcpyHostToDevice, stream));
-    E4KV_RETURN_IF_ERROR(
-        paged_prefill_attention(params, d_items_, int64_t(items_.size()), decode_config_.native_e4m3,
-                                stream));
+    E4KV_RETURN_IF_ERROR(paged_prefill_attention(params, d_items_, int64_t(items_.size()),
+                                                 decode_config_.native_e4m3, stream));
   }
 
   // Decode: runs of consecutive rows (tiles are single rows in row order within the route).
@@ -76,21 +75,22 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params, const Query
   const int64_t row_q = params.n_heads * geo.head_dim;
   for (size_t i = 0; i < decode_tiles.size();) {
     size_t j = i + 1;
-    while (j < decode_tiles.size() && decode_tiles[j].first_row == decode_tiles[j - 1].first_row + 1)
+    while (j < decode_tiles.size() &&
+           decode_tiles[j].first_row == decode_tiles[j - 1].first_row + 1)
       ++j;
     const int64_t first = decode_tiles[i].first_row;
     const int64_t n = int64_t(j - i);
     int64_t max_keys = 1;
     for (int64_t r = first; r < first + n; ++r) {
-      const int64_t keys = !params.rows.qsa()              ? int64_t(host_rows.row_pos[r]) + 1
+      const int64_t keys = !params.rows.qsa()                ? int64_t(host_rows.row_pos[r]) + 1
                            : host_rows.sel_counts != nullptr ? int64_t(host_rows.sel_counts[r])
                                                              : params.rows.sel_width;
       max_keys = std::max(max_keys, keys);
     }
     E4KV_ASSIGN_OR_RETURN(const int64_t resident, resident_ctas(geo, params.n_heads));
     const DecodeAttentionPlan plan = plan_decode_attention(n, geo.n_kv_heads, max_keys, resident);
-    const size_t need = decode_attention_workspace_floats(n, plan.n_splits, params.n_heads,
-                                                          geo.head_dim);
+    const size_t need =
+        decode_attention_workspace_floats(n, plan.n_splits, params.n_heads, geo.head_dim);
     if (need > d_workspace_floats_) {
       // note: cudaFree waits for the device, so growing the workspace never frees memory a
       // queued launch still uses.

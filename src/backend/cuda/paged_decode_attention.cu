@@ -112,19 +112,30 @@ __device__ __forceinline__ void load_shared_words(const uint8_t* ptr, uint32_t (
 }
 
 // Registers of raw K/V bytes per thread that one iteration may take, and bytes of shared-memory
-// ring per warp (async copy). Overridable at build time for tuning runs on the device.
+// ring per warp (async copy). Overridable at build time for tuning runs on the device. Chosen by
+// interleaved A/B runs on the H200 (2026-12-01, bench/RESULTS.md): a 12 KB ring beat 16 KB (E4M3
+// d 128 213 -> 204 us at 32 x 8K: 4 FP16 CTAs per SM instead of 3); E4M3 d 256 takes 16-token
+// iterations (budget 64: 183 -> 166 us at 4 x 128K, both products on m16n8k16); a fixed split cost
+// of 64 keys cut the 32 x 8K split count from 80 to 8-12 (FP16 296 -> 255 us); forcing 4 resident
+// CTAs on the async path halved d 256 speed (register spills).
 #ifndef E4KV_DECODE_REGISTER_RAW_BUDGET
 #define E4KV_DECODE_REGISTER_RAW_BUDGET 64
 #endif
 #ifndef E4KV_DECODE_ASYNC_RAW_BUDGET
 #define E4KV_DECODE_ASYNC_RAW_BUDGET 32
 #endif
-#ifndef E4KV_DECODE_RING_BYTES
-#define E4KV_DECODE_RING_BYTES 16384
+#ifndef E4KV_DECODE_ASYNC_RAW_BUDGET_E4M3_D256
+#define E4KV_DECODE_ASYNC_RAW_BUDGET_E4M3_D256 64
 #endif
-// The planner's fixed cost of one split, in keys.
+#ifndef E4KV_DECODE_RING_BYTES
+#define E4KV_DECODE_RING_BYTES 12288
+#endif
+// The planner's fixed cost of one split, in keys, and the fewest keys it gives a split.
 #ifndef E4KV_DECODE_SPLIT_COST_KEYS
 #define E4KV_DECODE_SPLIT_COST_KEYS 64
+#endif
+#ifndef E4KV_DECODE_MIN_SPLIT_KEYS
+#define E4KV_DECODE_MIN_SPLIT_KEYS 16
 #endif
 // The async path (sm_80+ only) uses mma.m16n8k16 where a pair of k8 steps allows it.
 #ifndef E4KV_DECODE_MMA_K16
@@ -150,7 +161,9 @@ struct DecodeShape {
   // with two head tiles, whose Q and O fragments take the room), 1 to 4 tiles.
   static constexpr int kRawRegsPerTile = kKLoads * kKWords + 2 * kVLoads * kVWords;
   static constexpr int kRawBudget =
-      (kAsync ? E4KV_DECODE_ASYNC_RAW_BUDGET : E4KV_DECODE_REGISTER_RAW_BUDGET) /
+      (!kAsync                       ? E4KV_DECODE_REGISTER_RAW_BUDGET
+       : kHeadDim == 256 && kEB == 1 ? E4KV_DECODE_ASYNC_RAW_BUDGET_E4M3_D256
+                                     : E4KV_DECODE_ASYNC_RAW_BUDGET) /
       (kHeadTiles == 2 ? 2 : 1);
   static constexpr int kSub = kRawBudget / kRawRegsPerTile < 1   ? 1
                               : kRawBudget / kRawRegsPerTile > 4 ? 4
@@ -160,11 +173,19 @@ struct DecodeShape {
   static constexpr int kRowBytes = kHeadDim * kEB;
   static constexpr int kRowChunks = kRowBytes / 16;  // 4 to 32, a power of two
   static constexpr int kStageBytes = 2 * kIterTokens * kRowBytes;
-  static constexpr int kStages = E4KV_DECODE_RING_BYTES / kStageBytes < 2   ? 2
-                                 : E4KV_DECODE_RING_BYTES / kStageBytes > 4 ? 4
-                                                                            : E4KV_DECODE_RING_BYTES /
-                                                                                  kStageBytes;
-  static constexpr int kSmemBytes = kAsync ? kWarpsPerCta * kStages * kStageBytes : 0;
+  // d 256 instances hold ~200 registers, so at most 2 CTAs fit per SM anyway: they get twice the
+  // ring (more iterations in flight) at no cost in residency.
+  static constexpr int kRingBytes = E4KV_DECODE_RING_BYTES * (kHeadDim == 256 ? 2 : 1);
+  static constexpr int kStages = kRingBytes / kStageBytes < 2   ? 2
+                                 : kRingBytes / kStageBytes > 4 ? 4
+                                                                : kRingBytes / kStageBytes;
+  // Async path: after the loop the ring holds warps 1-3's results for warp 0 to combine
+  // (m, l and the O fragments of each lane, [warp - 1][value][lane] fp32).
+  static constexpr int kCombineValues = 4 + kHeadTiles * kMTiles * 4;
+  static constexpr int kCombineBytes = (kWarpsPerCta - 1) * kCombineValues * 32 * 4;
+  static constexpr int kRingsBytes = kWarpsPerCta * kStages * kStageBytes;
+  static constexpr int kSmemBytes =
+      !kAsync ? 0 : (kRingsBytes > kCombineBytes ? kRingsBytes : kCombineBytes);
   static constexpr bool kK16 = kAsync && E4KV_DECODE_MMA_K16;
   static_assert(kKWords == 4, "K fragments are loaded 16 bytes at a time");
   static_assert(kRowChunks >= 4 && kRowChunks <= 32 && 32 % kRowChunks == 0);
@@ -186,8 +207,11 @@ struct DecodeShape {
 // for this kernel: measured on the H200 (2026-12-01, interleaved A/B runs), FP16 decode at d 128
 // went from 325 to 291 us (32 x 8K) and from 384 to 338 us (8 x 32K), E4M3 unchanged. Forcing 4 or
 // 5 resident CTAs (128 or 102 registers) spilled and ran 15-65% slower.
+#ifndef E4KV_DECODE_ASYNC_MIN_CTAS
+#define E4KV_DECODE_ASYNC_MIN_CTAS 1
+#endif
 template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
-__global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
+__global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
   using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync>;
   constexpr int kEB = Elem::kBytes;
@@ -211,8 +235,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   const int t = lane & 3;   // thread in group
   const int row = blockIdx.x / p.n_kv_heads;
   const int kv_head = blockIdx.x % p.n_kv_heads;
-  const int split = blockIdx.y * kWarpsPerCta + warp;
-  if (split >= p.n_splits) return;
+  const int split = blockIdx.y * kWarpsPerCta + warp;  // < n_splits (a multiple of 4)
 
   const int n_keys = p.sel_tokens != nullptr ? p.sel_counts[row] : p.row_pos[row] + 1;
   const int k_begin = split * p.keys_per_split;
@@ -367,7 +390,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
       __syncwarp();
       const int ahead = it + kStages - 1;
       if (ahead < n_iters) {
-        issue_iteration(k_begin + ahead * kIterTokens, ring + (ahead % kStages) * Shape::kStageBytes);
+        issue_iteration(k_begin + ahead * kIterTokens,
+                        ring + (ahead % kStages) * Shape::kStageBytes);
       }
       cp_async_commit();
       fetch_iteration(ring + (it % kStages) * Shape::kStageBytes, cur);
@@ -513,7 +537,75 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     l_run[r] += __shfl_xor_sync(kFullMask, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(kFullMask, l_run[r], 2);
   }
-  const int64_t split_index = int64_t(row) * p.n_splits + split;
+
+  // Async path: the CTA's 4 splits (consecutive key ranges of one row and KV head) are combined
+  // by log-sum-exp in shared memory, so one partial per CTA goes to the merge (4x less partial
+  // traffic, which matters when short splits fill the GPU for one long sequence or a QSA
+  // selection). Every lane holds the same fragment positions in every warp, so warp 0 combines
+  // lane by lane. No copy is in flight: the last iteration waited for its stage and later groups
+  // are empty.
+  int partial = split;
+  if constexpr (kAsync) {
+    __syncthreads();  // every warp is done with its ring
+    float* xs = reinterpret_cast<float*>(decode_smem);
+    auto slot = [&](int w, int value) -> float& {
+      return xs[((w - 1) * Shape::kCombineValues + value) * 32 + lane];
+    };
+    if (warp > 0) {
+      slot(warp, 0) = m_run[0];
+      slot(warp, 1) = m_run[1];
+      slot(warp, 2) = l_run[0];
+      slot(warp, 3) = l_run[1];
+#pragma unroll
+      for (int r = 0; r < kHeadTiles; ++r) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) slot(warp, 4 + (r * kMTiles + mt) * 4 + i) = o[r][mt][i];
+        }
+      }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    float m_all[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int w = 1; w < kWarpsPerCta; ++w) {
+      m_all[0] = fmaxf(m_all[0], slot(w, 0));
+      m_all[1] = fmaxf(m_all[1], slot(w, 1));
+    }
+    // Factor of warp w's sums for S-row r (head g + 8r): 0 for an empty split or row.
+    auto factor = [&](float m, int r) { return m == -INFINITY ? 0.0f : exp2f(m - m_all[r]); };
+#pragma unroll
+    for (int w = 0; w < kWarpsPerCta; ++w) {
+      float f[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        f[r] = factor(w == 0 ? m_run[r] : slot(w, r), r);
+        const float l = w == 0 ? l_run[r] : slot(w, 2 + r);
+        l_run[r] = w == 0 ? f[r] * l : l_run[r] + f[r] * l;
+      }
+#pragma unroll
+      for (int r = 0; r < kHeadTiles; ++r) {
+        const float a0 = __shfl_sync(kFullMask, f[r], 8 * t);
+        const float a1 = __shfl_sync(kFullMask, f[r], 8 * t + 4);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float a = i % 2 == 0 ? a0 : a1;
+            const float v = w == 0 ? o[r][mt][i] : slot(w, 4 + (r * kMTiles + mt) * 4 + i);
+            o[r][mt][i] = w == 0 ? a * v : o[r][mt][i] + a * v;
+          }
+        }
+      }
+    }
+    m_run[0] = m_all[0];
+    m_run[1] = m_all[1];
+    partial = blockIdx.y;
+  }
+
+  const int64_t split_index =
+      int64_t(row) * (kAsync ? p.n_splits / kWarpsPerCta : p.n_splits) + partial;
   if (t == 0) {
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
@@ -708,8 +800,8 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
   E4KV_CUDA_CHECK(cudaSetDevice(device));
   allow_shared_memory(inst);
   int per_sm = 0;
-  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, inst.kernel,
-                                                                kWarpsPerCta * 32, inst.smem_bytes));
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, inst.kernel, kWarpsPerCta * 32, inst.smem_bytes));
   int n_sms = 0;
   E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
   E4KV_CUDA_CHECK(cudaSetDevice(saved));
@@ -718,7 +810,7 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
 
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas) {
-  // Every split count (a multiple of the 4 warps of a CTA, at least 64 keys per warp) is costed
+  // Every split count (a multiple of the 4 warps of a CTA, at least 16 keys per warp) is costed
   // as waves x (keys per split + a fixed cost per split): a launch of C CTAs with R resident at
   // once takes ceil(C / R) rounds, each as long as one split; each split also loads Q, fills its
   // pipeline and writes a partial result the merge reads back. The cheapest wins; among those
@@ -726,7 +818,8 @@ DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, in
   const int64_t items = std::max<int64_t>(1, n_rows * n_kv_heads);
   const int64_t slots = std::max<int64_t>(1, resident_ctas);
   const int64_t keys = std::max<int64_t>(1, max_keys);
-  const int64_t most = std::max<int64_t>(kWarpsPerCta, (keys + 63) / 64);
+  const int64_t most = std::max<int64_t>(
+      kWarpsPerCta, (keys + E4KV_DECODE_MIN_SPLIT_KEYS - 1) / E4KV_DECODE_MIN_SPLIT_KEYS);
   auto keys_per_split = [&](int64_t splits) {
     const int64_t k = (keys + splits - 1) / splits;
     return (k + kTileTokens - 1) / kTileTokens * kTileTokens;
@@ -806,7 +899,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
 
   MergeKernelParams mp{};
   mp.n_heads = int32_t(params.n_heads);
-  mp.n_splits = int32_t(plan.n_splits);
+  mp.n_splits = int32_t(config.load == DecodeLoadPath::kAsyncCopy ? plan.n_splits / kWarpsPerCta
+                                                                  : plan.n_splits);
   mp.m = workspace.m;
   mp.l = workspace.l;
   mp.acc = workspace.acc;

@@ -42,10 +42,10 @@ DecodeAttentionConfig decode_attention_config(int device, bool force_software_e4
 Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64_t n_heads,
                                                const DecodeAttentionConfig& config, int device);
 
-// Picks the split count (a multiple of 4, at least 64 keys per split) that finishes soonest when
-// `resident_ctas` CTAs run at once: ceil(CTAs / resident) waves x keys per split, the fewest
-// splits within 2% of the best. max_keys: the most keys any row attends (row_pos + 1, or the QSA
-// selection count).
+// Picks the split count (a multiple of 4, at least 16 keys per split) that finishes soonest when
+// `resident_ctas` CTAs run at once: ceil(CTAs / resident) waves x (keys per split + a fixed cost
+// of 64 keys per split), the fewest splits within 2% of the best. max_keys: the most keys any row
+// attends (row_pos + 1, or the QSA selection count).
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas);
 
