@@ -111,6 +111,14 @@ __device__ __forceinline__ void load_shared_words(const uint8_t* ptr, uint32_t (
   }
 }
 
+// A per-head value held in S layout (row g of the lane's fragment: head g, + 8 for the second
+// tile) -> the values for the lane's two O^T columns (heads 2t and 2t + 1), which live in the lanes
+// whose row group is that head.
+__device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1) {
+  a0 = __shfl_sync(kFullMask, v, 8 * t);
+  a1 = __shfl_sync(kFullMask, v, 8 * t + 4);
+}
+
 // Registers of raw K/V bytes per thread that one iteration may take, and bytes of shared-memory
 // ring per warp (async copy). Overridable at build time for tuning runs on the device. Chosen by
 // interleaved A/B runs on the H200 (2026-12-01, bench/RESULTS.md): a 12 KB ring beat 16 KB (E4M3
@@ -465,12 +473,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
       m_run[r] = m_new;
     }
 
-    // O^T columns are heads 2t, 2t+1 (+8 for the second tile); their rescale factors live in the
-    // lanes whose row group is that head.
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
-      const float a0 = __shfl_sync(kFullMask, alpha[r], 8 * t);
-      const float a1 = __shfl_sync(kFullMask, alpha[r], 8 * t + 4);
+      float a0, a1;
+      to_columns(alpha[r], t, a0, a1);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         o[r][mt][0] *= a0;
@@ -586,8 +592,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
       }
 #pragma unroll
       for (int r = 0; r < kHeadTiles; ++r) {
-        const float a0 = __shfl_sync(kFullMask, f[r], 8 * t);
-        const float a1 = __shfl_sync(kFullMask, f[r], 8 * t + 4);
+        float a0, a1;
+        to_columns(f[r], t, a0, a1);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
