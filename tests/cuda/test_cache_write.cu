@@ -1,11 +1,13 @@
 // CUDA cache write against the CPU reference (backend/cpu/cache_write.h) and the CPU statistics
 // collector (calib/kv_stats.h) on fresh random data: head_dim {64,128,256} x n_kv_heads {1,2,8} x
 // block_size {16,64} x FP16/E4M3, int64 and int32 slot mappings with -1 entries over shuffled
-// slots, inputs with inf/NaN, E4M3 rounding ties, saturating values, -0 and subnormals. The caches
-// are poisoned with random bytes first; every byte must equal the CPU result (untouched slots keep
-// the poison), the non-finite counts and the fused statistics must be identical. Rows of up to 10
-// chunks of 16 elements per lane, and E4M3 scales that select each division form
-// (cache_write_division_mode), K and V in different forms.
+// slots (or -1 in a fixed pattern between written ones), inputs with inf/NaN, E4M3 rounding ties,
+// saturating values, -0 and subnormals. The caches are poisoned with random bytes first; every byte
+// must equal the CPU result (untouched slots keep the poison), the non-finite counts and the fused
+// statistics must be identical. Rows of up to 10 chunks of 16 elements per lane, and E4M3 scales
+// that select each division form (cache_write_division_mode), K and V in different forms. Rows of 1
+// and 2 chunks per lane, whose warps write several tokens per step, with token counts that are not
+// multiples of that.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -41,12 +43,16 @@ struct Case {
   // E4M3 scales; 0: the defaults of run_case.
   float k_scale = 0.0f;
   float v_scale = 0.0f;
+  // -1 slots in a fixed pattern (tokens 1 and 2 of every 4, and tokens 8 to 15) instead of about
+  // 10% at random.
+  bool patterned_skips = false;
 };
 
 std::string describe(const Case& c) {
   return cat("d", c.head_dim, " kv", c.n_kv_heads, " bs", c.block_size,
              c.dtype == KvCacheDtype::kF16 ? " f16" : " e4m3", c.slots32 ? " slots32" : " slots64",
-             " tokens", c.n_tokens, " k_scale ", c.k_scale, " v_scale ", c.v_scale);
+             " tokens", c.n_tokens, " k_scale ", c.k_scale, " v_scale ", c.v_scale,
+             c.patterned_skips ? " patterned skips" : "");
 }
 
 // FP16 values of x * scale for x at the midpoint between two neighbouring E4M3 values (exact
@@ -136,12 +142,16 @@ void run_case(const Case& c, uint32_t seed) {
   k[size_t((c.n_tokens - 1) * row + 3)] = 0x7C00;
   v[size_t((c.n_tokens - 1) * row + row - 1)] = 0xFE00;
 
-  // Shuffled distinct slots, about 10% of the tokens skipped with -1.
+  // Shuffled distinct slots, about 10% of the tokens (or the pattern's) skipped with -1.
   std::vector<int64_t> all_slots(size_t(n_blocks * c.block_size));
   std::iota(all_slots.begin(), all_slots.end(), 0);
   std::shuffle(all_slots.begin(), all_slots.end(), rng);
   std::vector<int64_t> slots(size_t(c.n_tokens));
-  for (int64_t t = 0; t < c.n_tokens; ++t) slots[size_t(t)] = rng() % 10 == 0 ? -1 : all_slots[t];
+  for (int64_t t = 0; t < c.n_tokens; ++t) {
+    const bool skip =
+        c.patterned_skips ? t % 4 == 1 || t % 4 == 2 || (t >= 8 && t < 16) : rng() % 10 == 0;
+    slots[size_t(t)] = skip ? -1 : all_slots[size_t(t)];
+  }
   if (c.n_tokens > 2) slots[0] = -1;  // a skipped first and a written last token
   slots.back() = all_slots[size_t(c.n_tokens - 1)];
   std::vector<int32_t> slots32(slots.begin(), slots.end());
@@ -237,8 +247,8 @@ TEST(CacheWriteCuda, MatchesCpuReferenceOverTheSweep) {
   std::printf("[ info ] %d cases\n", n_cases);
 }
 
-// More tokens than the statistics grid covers in one pass (2 CTAs per SM x 8 warps: 2112 tokens on
-// an H200), and a single token.
+// More tokens than the statistics grid covers in one pass (2 CTAs per SM x 8 warps x 1 token per
+// step for 8 x 128, 2 for 2 x 256: 2112 or 4224 tokens on an H200), and a single token.
 TEST(CacheWriteCuda, LargeAndTinyBatches) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   run_case(Case{128, 8, 64, KvCacheDtype::kE4m3, false, 9000}, 1001);
@@ -253,6 +263,43 @@ TEST(CacheWriteCuda, RowsOfSeveralChunksPerLane) {
   run_case(Case{128, 6, 16, KvCacheDtype::kE4m3, false, 200}, 1101);
   run_case(Case{128, 40, 16, KvCacheDtype::kE4m3, true, 100}, 1102);
   run_case(Case{128, 40, 16, KvCacheDtype::kF16, false, 100}, 1103);
+}
+
+// Rows of 1 or 2 chunks per lane, whose warps take several tokens per step (4 or 2; with
+// statistics 2 or 1): token counts that are not multiples of the tokens per step or of the tokens
+// of a CTA step, and -1 slots between written ones within a step, whole skipped steps and a skipped
+// first token. 1 chunk: 2 x 256 (all lanes), 1 x 64 (lanes 0-3), 3 x 128 (lanes 0-23); 2 chunks:
+// 8 x 128 and 4 x 256 (all lanes), 6 x 128 (lanes 0-15 two, the others one). 9001 tokens are more
+// than one pass of the statistics grid.
+TEST(CacheWriteCuda, SeveralTokensPerWarpStep) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::array<std::pair<int, int>, 6> shapes = {
+      std::pair{256, 2}, std::pair{64, 1},  std::pair{128, 3},
+      std::pair{128, 8}, std::pair{256, 4}, std::pair{128, 6},
+  };
+  // Per shape and dtype: a few tokens and some tens to hundreds (patterned skips), 9001 (random
+  // skips), and 20003 (patterned skips): enough tokens for the multi-token step, which is launched
+  // only when its grid has 8+ CTAs per SM (true for GPUs of up to 156 SMs at 4 tokens per step).
+  const std::array<int64_t, 5> few_tokens = {1, 2, 3, 5, 7};
+  const std::array<int64_t, 3> some_tokens = {33, 70, 259};
+  uint32_t seed = 3001;
+  int n_cases = 0;
+  for (const auto& [head_dim, n_kv_heads] : shapes) {
+    for (KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+      for (int i = 0; i < 4; ++i) {
+        const int64_t n_tokens = i == 0   ? few_tokens[seed % few_tokens.size()]
+                                 : i == 1 ? some_tokens[seed % some_tokens.size()]
+                                 : i == 2 ? 9001
+                                          : 20003;
+        Case c{head_dim, n_kv_heads, i == 1 ? 64 : 16, dtype, seed % 2 == 0, n_tokens};
+        c.patterned_skips = i != 2;
+        run_case(c, seed);
+        ++seed;
+        ++n_cases;
+      }
+    }
+  }
+  std::printf("[ info ] %d cases\n", n_cases);
 }
 
 // Every FP16 bit pattern through the E4M3 path (K and V at their own scales), against e4m3_encode.

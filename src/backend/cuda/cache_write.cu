@@ -8,9 +8,21 @@
 // the loads of a step's chunks before any of its stores: the compiler would not move a load above a
 // store on its own (dst may alias the source as far as it knows), so a row of 1024 elements took
 // two round trips to memory instead of one. kUnroll is a lane's chunks per row rounded up to 1, 2
-// or 4 (at most 2 with statistics), picked per launch: a chunk in flight holds 8 registers, and a
-// kernel for fewer keeps more CTAs per SM (the budgets: min_ctas_per_sm). A slot of -1 skips the
-// token (the whole warp).
+// or 4 (at most 2 with statistics), picked per launch (lane_unroll). A slot of -1 skips the token
+// (the whole warp).
+//
+// Short E4M3 rows, several tokens per step: with 1 or 2 chunks per lane (rows of up to 512 or 1024
+// elements) a warp's step covers kTokens = 4 / kUnroll consecutive tokens (2 tokens of 1 chunk with
+// statistics; tokens_per_step), so a lane has 4 chunks in flight as with longer rows, when there
+// are enough tokens to fill the GPU with those larger steps (launch_tokens_per_step). Otherwise the
+// loads of the next token waited for the encode and stores of this one: one chunk per lane in
+// flight, and the E4M3 encode of a chunk is 16 elements of about 13 instructions each. A step first
+// reads the slot of each of its tokens (a slot of -1 or outside the cache, or a token past the end,
+// skips that token's row, uniformly over the warp), then issues the loads of every row that it
+// writes, then encodes and stores them token by token. The host sizes the grid by kWarps * kTokens
+// tokens per CTA step. A chunk in flight holds 8 registers, and the register budget follows the
+// chunks in flight (min_ctas_per_sm): the E4M3 4-chunk kernels run 3 CTAs per SM instead of 5, for
+// more bytes in flight per SM (2 x 256 E4M3 on the H200: 68% -> 76% of copy bandwidth).
 //
 // E4M3 encode, exact for finite x without the general codec's branches:
 //   q = |x| / scale             in one of the three forms below, each exact for the scales it gets
@@ -45,10 +57,11 @@
 //
 // Limits: n_kv_heads * head_dim a multiple of 16; 16-byte aligned K, V and cache.
 // Why fast: every byte is read once and written once with 16-byte accesses, a lane's loads of up
-// to 4 chunks in flight together; without the division the E4M3 encode is mostly integer work; the
-// block of a slot is a shift for power-of-two block sizes. The speed of this scheme is yet to be
-// measured on the device (bench/cuda/bench_cache_write.cu); bench/RESULTS.md has the figures of
-// the previous one (one chunk per lane and step, always __fdiv_rn).
+// to 4 chunks (of one or several tokens) in flight together; without the division the E4M3 encode
+// is mostly integer work; the block of a slot is a shift for power-of-two block sizes. The speed of
+// this scheme is yet to be measured on the device (bench/cuda/bench_cache_write.cu);
+// bench/RESULTS.md has the figures of the previous one (one chunk per lane and step, always
+// __fdiv_rn).
 #include "backend/cuda/cache_write.cuh"
 
 #include <cuda_fp16.h>
@@ -270,16 +283,49 @@ constexpr int kMaxThreadsPerSm = 1536;
 constexpr int kMaxThreadsPerSm = 2048;
 #endif
 
-// CTAs per SM that the kernel's register budget must allow: with 64K registers and 256 threads,
-// 8 / 5 / 4 / 3 CTAs leave 32 / 48 / 64 / 80 registers. FP16 with one chunk per lane keeps full
-// occupancy; more chunks in flight cost 8 registers each. The E4M3 encode needs more: there the
-// budgets are the smallest at which ptxas (CUDA 13, sm_90) does not spill. With statistics the grid
-// has kStatsCtasPerSm CTAs per SM for each of K and V, which must all be resident.
-constexpr int min_ctas_per_sm(bool e4m3, bool stats, int unroll) {
+// A lane's chunks per row and step (kUnroll): its chunks of a row rounded up to 1, 2 or 4 (longer
+// rows take several steps); at most 2 with statistics, whose register budget 4 would not fit
+// without spilling (min_ctas_per_sm).
+constexpr int lane_unroll(bool stats, int32_t row_chunks) {
+  const int32_t lane_chunks = (row_chunks + 31) / 32;
+  if (lane_chunks <= 1) return 1;
+  if (stats || lane_chunks <= 2) return 2;
+  return 4;
+}
+
+// Tokens per warp and step of the grid-stride loop (kTokens): E4M3 rows of 1 or 2 chunks per lane
+// take 4 / kUnroll tokens, so that a lane has 4 chunks in flight as with longer rows; 2 with
+// statistics (their budget). kUnroll = 2 with statistics may be a step of a longer row: one token.
+// FP16 rows take one token: measured on the H200 (2026-12-01, A/B in one call), 4 tokens per step
+// made the FP16 copy slower (2 x 256: 70 -> 82 us; 8 x 128: 139 -> 156 us; fewer CTAs per SM for
+// no encode latency to hide), while E4M3 2 x 256 went 69 -> 62 us.
+// The multi-token step needs enough tokens to fill the GPU with its fewer, larger CTAs: at 4096
+// tokens (128 CTAs of 4-token steps per tensor) it was 15-20% slower than one token per step on
+// the H200, at 65536 2-10% faster. It is taken when its grid has at least 8 CTAs per SM (K and V
+// together); sizes between those two were not measured.
+constexpr int tokens_per_step(bool e4m3, bool stats, int unroll) {
+  if (!e4m3) return 1;
+  if (stats) return unroll == 1 ? 2 : 1;
+  return 4 / unroll;
+}
+
+int launch_tokens_per_step(bool e4m3, bool stats, int unroll, int64_t n_tokens, int n_sms) {
+  const int tokens = tokens_per_step(e4m3, stats, unroll);
+  const int64_t ctas = 2 * ((n_tokens + int64_t(kWarps) * tokens - 1) / (int64_t(kWarps) * tokens));
+  return ctas >= 8 * int64_t(n_sms) ? tokens : 1;
+}
+
+// CTAs per SM that the kernel's register budget must allow, for `in_flight` chunks per lane and
+// step (kUnroll x kTokens): with 64K registers and 256 threads, 8 / 5 / 4 / 3 CTAs leave
+// 32 / 48 / 64 / 80 registers. A chunk in flight costs 8 registers, and the E4M3 encode needs more:
+// there the budgets are the smallest at which ptxas (CUDA 13, sm_90) does not spill. With
+// statistics the grid has kStatsCtasPerSm CTAs per SM for each of K and V, which must all be
+// resident.
+constexpr int min_ctas_per_sm(bool e4m3, bool stats, int in_flight) {
   const int fit = kMaxThreadsPerSm / kThreads;
   if (stats) return std::min(2 * kStatsCtasPerSm, fit);
-  if (unroll == 1) return std::min(e4m3 ? 5 : 8, fit);
-  if (unroll == 2) return std::min(e4m3 ? 4 : 5, fit);
+  if (in_flight == 1) return std::min(e4m3 ? 5 : 8, fit);
+  if (in_flight == 2) return std::min(e4m3 ? 4 : 5, fit);
   return std::min(e4m3 ? 3 : 4, fit);
 }
 
@@ -343,9 +389,52 @@ struct StatsCollector<true> {
   }
 };
 
+// Chunk c of the row at src (16 FP16 values, two per word, first in the low half) into w.
+__device__ __forceinline__ void load_chunk(const uint4* __restrict__ src, int c,
+                                           uint32_t (&w)[kChunk / 2]) {
+  const uint4 lo = __ldg(src + 2 * c);
+  const uint4 hi = __ldg(src + 2 * c + 1);
+  w[0] = lo.x;
+  w[1] = lo.y;
+  w[2] = lo.z;
+  w[3] = lo.w;
+  w[4] = hi.x;
+  w[5] = hi.y;
+  w[6] = hi.z;
+  w[7] = hi.w;
+}
+
+// Counts the inf/NaN of a loaded chunk, observes it and stores it as chunk c of the row at dst.
+template <bool kStats, class Chunk>
+__device__ __forceinline__ void store_chunk(const CacheWriteKernelParams& p, const Chunk& chunk,
+                                            uint4* dst, int c, const uint32_t (&w)[kChunk / 2],
+                                            StatsCollector<kStats>& stats,
+                                            unsigned long long& non_finite) {
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < kChunk / 2; ++i) acc = accumulate_non_finite(w[i], p.zero_f16x2, acc);
+  const bool all_finite = (acc & 0x7FFF7FFFu) == 0;
+  if (!all_finite) {
+#pragma unroll
+    for (int i = 0; i < kChunk / 2; ++i) non_finite += count_non_finite(w[i]);
+  }
+  stats.observe(w);
+  chunk.store(dst, c, w, all_finite);
+}
+
+// The cache row of `slot` in rows of row_elems, or -1 for a slot outside the cache (-1: padding).
+__device__ __forceinline__ int64_t cache_row(const CacheWriteKernelParams& p, int64_t slot,
+                                             int kv) {
+  if (slot < 0 || slot >= p.n_slots) return -1;
+  const int64_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
+  // Row (block * 2 + kv) * block_size + slot % block_size of the cache.
+  return slot + (block + kv) * p.block_size;
+}
+
 // The CTA's share of the rows of one tensor (K or V: blockIdx.y), each chunk stored by `chunk`;
-// kUnroll chunks per lane and step.
-template <int kUnroll, bool kStats, class Slot, class Chunk>
+// per warp and step of the grid-stride loop kTokens consecutive tokens, kUnroll chunks of each
+// per lane.
+template <int kUnroll, int kTokens, bool kStats, class Slot, class Chunk>
 __device__ __forceinline__ void write_rows(const CacheWriteKernelParams& p, const Chunk& chunk,
                                            StatsCollector<kStats>& stats,
                                            unsigned long long& non_finite) {
@@ -355,57 +444,68 @@ __device__ __forceinline__ void write_rows(const CacheWriteKernelParams& p, cons
   const uint16_t* __restrict__ src_tensor = kv == 0 ? p.k : p.v;
   const Slot* __restrict__ slot_mapping = static_cast<const Slot*>(p.slot_mapping);
 
-  for (int64_t t = int64_t(blockIdx.x) * kWarps + warp; t < p.n_tokens;
-       t += int64_t(gridDim.x) * kWarps) {
-    const int64_t slot = int64_t(__ldg(slot_mapping + t));
-    if (slot < 0 || slot >= p.n_slots) continue;  // -1: padding (the whole warp skips)
-    const int64_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
-    // Row (block * 2 + kv) * block_size + slot % block_size of the cache, in rows of row_elems.
-    const int64_t dst_row = slot + (block + kv) * p.block_size;
-    const uint4* src = reinterpret_cast<const uint4*>(src_tensor + t * p.row_elems);
-    uint4* dst = reinterpret_cast<uint4*>(p.cache + dst_row * p.row_elems * Chunk::kElemBytes);
-    for (int first = lane; first < p.row_chunks; first += 32 * kUnroll) {
-      // Chunk u of the step is first + 32 * u; all loads first (see the top of the file).
-      uint32_t w[kUnroll][kChunk / 2];
+  for (int64_t t0 = (int64_t(blockIdx.x) * kWarps + warp) * kTokens; t0 < p.n_tokens;
+       t0 += int64_t(gridDim.x) * kWarps * kTokens) {
+    if constexpr (kTokens == 1) {
+      const int64_t dst_row = cache_row(p, int64_t(__ldg(slot_mapping + t0)), kv);
+      if (dst_row < 0) continue;  // the whole warp skips
+      const uint4* src = reinterpret_cast<const uint4*>(src_tensor + t0 * p.row_elems);
+      uint4* dst = reinterpret_cast<uint4*>(p.cache + dst_row * p.row_elems * Chunk::kElemBytes);
+      for (int first = lane; first < p.row_chunks; first += 32 * kUnroll) {
+        // Chunk u of the step is first + 32 * u; all loads first (see the top of the file).
+        uint32_t w[kUnroll][kChunk / 2];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = first + 32 * u;
-        if (c < p.row_chunks) {
-          const uint4 lo = __ldg(src + 2 * c);
-          const uint4 hi = __ldg(src + 2 * c + 1);
-          w[u][0] = lo.x;
-          w[u][1] = lo.y;
-          w[u][2] = lo.z;
-          w[u][3] = lo.w;
-          w[u][4] = hi.x;
-          w[u][5] = hi.y;
-          w[u][6] = hi.z;
-          w[u][7] = hi.w;
+        for (int u = 0; u < kUnroll; ++u) {
+          if (first + 32 * u < p.row_chunks) load_chunk(src, first + 32 * u, w[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (first + 32 * u >= p.row_chunks) break;
+          store_chunk(p, chunk, dst, first + 32 * u, w[u], stats, non_finite);
         }
       }
+    } else {
+      // Each token's slot first: -1 (padding), outside the cache or past the last token skips its
+      // row (uniform over the warp). The host takes kTokens > 1 only for rows of at most
+      // 32 * kUnroll chunks, one pass of the loop over `first`.
+      int64_t dst_row[kTokens];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = first + 32 * u;
-        if (c >= p.row_chunks) break;
-        uint32_t acc = 0;
+      for (int j = 0; j < kTokens; ++j) {
+        const int64_t t = t0 + j;
+        dst_row[j] = t < p.n_tokens ? cache_row(p, int64_t(__ldg(slot_mapping + t)), kv) : -1;
+      }
+      const uint4* src = reinterpret_cast<const uint4*>(src_tensor + t0 * p.row_elems);
+      for (int first = lane; first < p.row_chunks; first += 32 * kUnroll) {
+        // Chunk u of token j's step is first + 32 * u; the loads of every token first.
+        uint32_t w[kTokens][kUnroll][kChunk / 2];
 #pragma unroll
-        for (int i = 0; i < kChunk / 2; ++i) {
-          acc = accumulate_non_finite(w[u][i], p.zero_f16x2, acc);
+        for (int j = 0; j < kTokens; ++j) {
+          if (dst_row[j] < 0) continue;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (first + 32 * u < p.row_chunks) {
+              load_chunk(src + j * (2 * int64_t(p.row_chunks)), first + 32 * u, w[j][u]);
+            }
+          }
         }
-        const bool all_finite = (acc & 0x7FFF7FFFu) == 0;
-        if (!all_finite) {
 #pragma unroll
-          for (int i = 0; i < kChunk / 2; ++i) non_finite += count_non_finite(w[u][i]);
+        for (int j = 0; j < kTokens; ++j) {
+          if (dst_row[j] < 0) continue;
+          uint4* dst =
+              reinterpret_cast<uint4*>(p.cache + dst_row[j] * p.row_elems * Chunk::kElemBytes);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (first + 32 * u >= p.row_chunks) break;
+            store_chunk(p, chunk, dst, first + 32 * u, w[j][u], stats, non_finite);
+          }
         }
-        stats.observe(w[u]);
-        chunk.store(dst, c, w[u], all_finite);
       }
     }
   }
 }
 
-template <bool kE4m3, bool kStats, int kUnroll, class Slot>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnroll))
+template <bool kE4m3, bool kStats, int kUnroll, int kTokens, class Slot>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnroll* kTokens))
     cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
   const int kv = int(blockIdx.y);
   const int lane = int(threadIdx.x) % 32;
@@ -426,20 +526,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnro
     // Uniform per CTA (K and V are different blockIdx.y).
     switch (kv == 0 ? p.k_division : p.v_division) {
       case CacheWriteDivision::kReciprocal:
-        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kReciprocal>{scale, r},
-                                          stats, non_finite);
+        write_rows<kUnroll, kTokens, kStats, Slot>(
+            p, ChunkToE4m3<CacheWriteDivision::kReciprocal>{scale, r}, stats, non_finite);
         break;
       case CacheWriteDivision::kCorrected:
-        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kCorrected>{scale, r},
-                                          stats, non_finite);
+        write_rows<kUnroll, kTokens, kStats, Slot>(
+            p, ChunkToE4m3<CacheWriteDivision::kCorrected>{scale, r}, stats, non_finite);
         break;
       case CacheWriteDivision::kExact:
-        write_rows<kUnroll, kStats, Slot>(p, ChunkToE4m3<CacheWriteDivision::kExact>{scale, r},
-                                          stats, non_finite);
+        write_rows<kUnroll, kTokens, kStats, Slot>(
+            p, ChunkToE4m3<CacheWriteDivision::kExact>{scale, r}, stats, non_finite);
         break;
     }
   } else {
-    write_rows<kUnroll, kStats, Slot>(p, ChunkToF16{}, stats, non_finite);
+    write_rows<kUnroll, kTokens, kStats, Slot>(p, ChunkToF16{}, stats, non_finite);
   }
 
   // Warp-aggregated: one atomic per warp that saw any inf/NaN.
@@ -452,28 +552,43 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnro
   stats.end(p);
 }
 
-template <bool kE4m3, bool kStats, int kUnroll>
+template <bool kE4m3, bool kStats, int kUnroll, int kTokens>
 void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
   if (slots64) {
-    cache_write_kernel<kE4m3, kStats, kUnroll, int64_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kE4m3, kStats, kUnroll, kTokens, int64_t><<<grid, kThreads, 0, stream>>>(kp);
   } else {
-    cache_write_kernel<kE4m3, kStats, kUnroll, int32_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kE4m3, kStats, kUnroll, kTokens, int32_t><<<grid, kThreads, 0, stream>>>(kp);
   }
   E4KV_CUDA_CHECK_LAUNCH();
 }
 
+// tokens: 1 or tokens_per_step(kE4m3, kStats, kUnroll).
+template <bool kE4m3, bool kStats, int kUnroll>
+void launch_unrolled(const CacheWriteKernelParams& kp, bool slots64, int tokens, dim3 grid,
+                     cudaStream_t stream) {
+  constexpr int kMulti = tokens_per_step(kE4m3, kStats, kUnroll);
+  if (tokens == 1) {
+    launch_kernel<kE4m3, kStats, kUnroll, 1>(kp, slots64, grid, stream);
+  } else if constexpr (kMulti > 1) {
+    E4KV_ASSERT(tokens == kMulti, cat("cache write: ", tokens, " tokens per step"));
+    launch_kernel<kE4m3, kStats, kUnroll, kMulti>(kp, slots64, grid, stream);
+  } else {
+    E4KV_ASSERT(false, cat("cache write: ", tokens, " tokens per step"));
+  }
+}
+
+// unroll = lane_unroll(kStats, kp.row_chunks).
 template <bool kE4m3, bool kStats>
-void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
-  // A lane's chunks of a row, rounded up to 1, 2 or 4 (longer rows take several steps): the data
-  // registers grow with kUnroll, so shorter rows keep the occupancy of fewer. At most 2 with
-  // statistics: 4 would not fit their register budget (min_ctas_per_sm) without spilling.
-  const int32_t lane_chunks = (kp.row_chunks + 31) / 32;
-  if (lane_chunks <= 1) {
-    launch_kernel<kE4m3, kStats, 1>(kp, slots64, grid, stream);
-  } else if (kStats || lane_chunks <= 2) {
-    launch_kernel<kE4m3, kStats, 2>(kp, slots64, grid, stream);
+void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, int unroll, int tokens,
+                   dim3 grid, cudaStream_t stream) {
+  if (unroll == 1) {
+    launch_unrolled<kE4m3, kStats, 1>(kp, slots64, tokens, grid, stream);
+  } else if (unroll == 2) {
+    launch_unrolled<kE4m3, kStats, 2>(kp, slots64, tokens, grid, stream);
   } else if constexpr (!kStats) {
-    launch_kernel<kE4m3, kStats, 4>(kp, slots64, grid, stream);
+    launch_unrolled<kE4m3, kStats, 4>(kp, slots64, tokens, grid, stream);
+  } else {
+    E4KV_ASSERT(false, cat("cache write: ", unroll, " chunks per lane and step with statistics"));
   }
 }
 
@@ -542,27 +657,30 @@ Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
   kp.slot_table = stats != nullptr ? stats->slot_table : nullptr;
   kp.zero_f16x2 = 0;
 
-  int64_t max_ctas = kMaxCtas;
-  if (stats != nullptr) {
-    int device = 0;
-    int n_sms = 0;
-    E4KV_CUDA_CHECK(cudaGetDevice(&device));
-    E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-    max_ctas = int64_t(kStatsCtasPerSm) * std::max(n_sms, 1);
-  }
-  const int64_t ctas = std::min((n_tokens + kWarps - 1) / kWarps, max_ctas);
+  int device = 0;
+  int n_sms = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  n_sms = std::max(n_sms, 1);
+  const int64_t max_ctas = stats != nullptr ? int64_t(kStatsCtasPerSm) * n_sms : kMaxCtas;
+  // A CTA step covers kWarps * tokens tokens; the grid-stride loop takes any that one pass of the
+  // grid does not.
+  const int unroll = lane_unroll(stats != nullptr, kp.row_chunks);
+  const int tokens = launch_tokens_per_step(e4m3, stats != nullptr, unroll, n_tokens, n_sms);
+  const int64_t tokens_per_cta = int64_t(kWarps) * tokens;
+  const int64_t ctas = std::min((n_tokens + tokens_per_cta - 1) / tokens_per_cta, max_ctas);
   const dim3 grid(unsigned(ctas), 2);
   if (e4m3) {
     if (stats != nullptr) {
-      launch_kernel<true, true>(kp, slots64, grid, stream);
+      launch_kernel<true, true>(kp, slots64, unroll, tokens, grid, stream);
     } else {
-      launch_kernel<true, false>(kp, slots64, grid, stream);
+      launch_kernel<true, false>(kp, slots64, unroll, tokens, grid, stream);
     }
   } else {
     if (stats != nullptr) {
-      launch_kernel<false, true>(kp, slots64, grid, stream);
+      launch_kernel<false, true>(kp, slots64, unroll, tokens, grid, stream);
     } else {
-      launch_kernel<false, false>(kp, slots64, grid, stream);
+      launch_kernel<false, false>(kp, slots64, unroll, tokens, grid, stream);
     }
   }
   return ok_status();
