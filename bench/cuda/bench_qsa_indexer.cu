@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <random>
@@ -38,6 +39,22 @@ __global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
   }
 }
 
+// The largest score of each run of kQsaRunGroups groups (every row here has max_groups visible).
+__global__ void run_maxima_kernel(const float* scores, int64_t n_rows, int64_t max_groups,
+                                  int64_t run_stride, float* maxima) {
+  const int64_t n = n_rows * run_stride;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / run_stride;
+    const int64_t first = (i % run_stride) * kQsaRunGroups;
+    float m = -INFINITY;
+    for (int64_t c = first; c < first + kQsaRunGroups && c < max_groups; ++c) {
+      m = fmaxf(m, scores[row * max_groups + c]);
+    }
+    maxima[i] = m;
+  }
+}
+
 void check(const Status& st) {
   if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
 }
@@ -47,7 +64,9 @@ struct Measurement {
   double scores_ms;
   double top_k_ms;
   double top_k_two_phase_ms;
-  double total_ms;  // scores + two-phase top-k
+  double top_k_filtered_ms;
+  double top_k_filtered_maxima_ms;  // given the run maxima
+  double total_ms;  // scores + top-k with the default method (filtered here)
   double bytes;
 };
 
@@ -118,6 +137,7 @@ Measurement run(int batch, int ctx) {
   Measurement m{};
   m.batch = batch;
   m.scores_ms = time_ms([&] { check(qsa_index_scores(sa, nullptr)); });
+  ta.method = QsaTopKMethod::kScan;
   m.top_k_ms = time_ms([&] { check(qsa_top_k_select(ta, nullptr)); });
   // The two-phase path (chunk candidates, many CTAs per row), side by side.
   void* d_ws = nullptr;
@@ -125,10 +145,26 @@ Measurement run(int batch, int ctx) {
       &d_ws, std::max<size_t>(1, qsa_top_k_workspace_bytes(batch, max_groups, kBudget, kRatio))));
   QsaTopKArgs ta2 = ta;
   ta2.workspace = d_ws;
+  ta2.method = QsaTopKMethod::kTwoPhase;
   m.top_k_two_phase_ms = time_ms([&] { check(qsa_top_k_select(ta2, nullptr)); });
+  QsaTopKArgs ta3 = ta;
+  ta3.method = QsaTopKMethod::kFiltered;
+  m.top_k_filtered_ms = time_ms([&] { check(qsa_top_k_select(ta3, nullptr)); });
+  const int64_t run_stride = (max_groups + kQsaRunGroups - 1) / kQsaRunGroups;
+  float* d_maxima = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_maxima, size_t(batch * run_stride) * 4));
+  check(qsa_index_scores(sa, nullptr));
+  run_maxima_kernel<<<256, 256>>>(d_scores, batch, max_groups, run_stride, d_maxima);
+  E4KV_CUDA_CHECK_LAUNCH();
+  QsaTopKArgs ta4 = ta3;
+  ta4.run_maxima = d_maxima;
+  ta4.run_stride = run_stride;
+  m.top_k_filtered_maxima_ms = time_ms([&] { check(qsa_top_k_select(ta4, nullptr)); });
+  E4KV_CUDA_CHECK(cudaFree(d_maxima));
+  ta3.method = QsaTopKMethod::kAuto;
   m.total_ms = time_ms([&] {
     check(qsa_index_scores(sa, nullptr));
-    check(qsa_top_k_select(ta2, nullptr));
+    check(qsa_top_k_select(ta3, nullptr));
   });
   E4KV_CUDA_CHECK(cudaFree(d_ws));
   m.bytes = double(batch) * double(max_groups) * kIndexDim * 2.0;
@@ -151,12 +187,14 @@ int main(int argc, char** argv) {
   }
   constexpr int kCtx = 131072;
   std::vector<Measurement> results;
-  std::printf("%-6s %8s %12s %10s %12s %10s %12s %10s\n", "batch", "ctx", "scores_us", "topk_us",
-              "topk2ph_us", "total_us", "MB_scored", "TB/s");
+  std::printf("%-6s %8s %10s %10s %11s %11s %11s %10s %10s %8s\n", "batch", "ctx", "scores_us",
+              "topk_scan", "topk_2phase", "topk_filter", "topk_f_max", "total_us", "MB_scored",
+              "TB/s");
   for (int batch : {4, 1}) {
     const Measurement m = run(batch, kCtx);
-    std::printf("%-6d %8d %12.1f %10.1f %12.1f %10.1f %12.1f %10.3f\n", m.batch, kCtx,
-                m.scores_ms * 1e3, m.top_k_ms * 1e3, m.top_k_two_phase_ms * 1e3, m.total_ms * 1e3,
+    std::printf("%-6d %8d %10.1f %10.1f %11.1f %11.1f %11.1f %10.1f %10.1f %8.3f\n", m.batch,
+                kCtx, m.scores_ms * 1e3, m.top_k_ms * 1e3, m.top_k_two_phase_ms * 1e3,
+                m.top_k_filtered_ms * 1e3, m.top_k_filtered_maxima_ms * 1e3, m.total_ms * 1e3,
                 m.bytes / 1e6,
                 m.bytes / (m.scores_ms * 1e-3) / 1e12);
     results.push_back(m);
@@ -170,9 +208,13 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < results.size(); ++i) {
     const Measurement& m = results[i];
     std::fprintf(f,
-                 "  {\"batch\": %d, \"scores_ms\": %.5f, \"top_k_ms\": %.5f, "
-                 "\"top_k_two_phase_ms\": %.5f, \"total_ms\": %.5f, \"bytes\": %.0f}%s\n",
-                 m.batch, m.scores_ms, m.top_k_ms, m.top_k_two_phase_ms, m.total_ms, m.bytes,
+                 "  {\"batch\": %d, \"scores_ms\": %.5f, \"top_k_scan_ms\": %.5f, "
+                 "\"top_k_two_phase_ms\": %.5f, \"top_k_filtered_ms\": %.5f, "
+                 "\"top_k_filtered_with_run_maxima_ms\": %.5f, "
+                 "\"total_ms\": %.5f, \"bytes\": %.0f}%s\n",
+                 m.batch, m.scores_ms, m.top_k_ms, m.top_k_two_phase_ms, m.top_k_filtered_ms,
+                 m.top_k_filtered_maxima_ms,
+                 m.total_ms, m.bytes,
                  i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");

@@ -233,11 +233,14 @@ void run_case(const Case& cs, uint32_t seed) {
   EXPECT_EQ(bad_scores, 0) << name;
   EXPECT_EQ(untouched_bad, 0) << name << ": scores written past a row's visible groups";
 
-  // Top-k on the GPU scores: with every row scored, and with dense rows skipped; each through the
-  // one-phase path and the two-phase (chunk candidates) path.
+  // Top-k on the GPU scores: with every row scored, and with dense rows skipped; each through
+  // every method (scan, two phases with chunk candidates, filtered).
   DeviceBuffer<uint8_t> d_topk_ws(
       std::max<size_t>(1, qsa_top_k_workspace_bytes(n_rows, max_groups, cs.budget, kRatio)));
-  for (int variant = 0; variant < 4; ++variant) {
+  const QsaTopKMethod methods[3] = {QsaTopKMethod::kScan, QsaTopKMethod::kTwoPhase,
+                                    QsaTopKMethod::kFiltered};
+  const char* method_names[3] = {"", " two-phase", " filtered"};
+  for (int variant = 0; variant < 6; ++variant) {
     if (variant == 1) {  // variant 3 reuses these scores
       sa.scores = d_scores_skip.ptr;
       sa.skip_visible_at_most = k;
@@ -254,14 +257,15 @@ void run_case(const Case& cs, uint32_t seed) {
     ta.max_groups = max_groups;
     ta.sel_tokens = d_tokens.ptr;
     ta.sel_counts = d_counts.ptr;
-    ta.workspace = variant >= 2 ? d_topk_ws.ptr : nullptr;
+    ta.workspace = d_topk_ws.ptr;
+    ta.method = methods[variant / 2];
     const Status selected = qsa_top_k_select(ta, nullptr);
     ASSERT_TRUE(selected.ok()) << selected.message();
     E4KV_CUDA_CHECK(cudaDeviceSynchronize());
     EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
                                  width, row_pos,
                                  name + (variant % 2 == 0 ? "" : " skip-dense") +
-                                     (variant >= 2 ? " two-phase" : "")),
+                                     method_names[variant / 2]),
               0);
   }
 
@@ -294,9 +298,10 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
   for (int64_t budget : {4, 64, 2048}) {
     const int64_t k = qsa_top_k(budget, kRatio);
     const int64_t width = qsa_selection_width(budget, kRatio);
-    const std::vector<int32_t> visible_list{0,    1,    int32_t(k - 1), int32_t(k), int32_t(k + 1),
-                                            1000, 1025, 20000,          70001};
-    const int64_t n_kinds = 6;
+    // 131071 (+1 for some kinds): the longest row the filtered method takes.
+    const std::vector<int32_t> visible_list{
+        0, 1, int32_t(k - 1), int32_t(k), int32_t(k + 1), 1000, 1025, 20000, 70001, 131071};
+    const int64_t n_kinds = 8;
     std::vector<int32_t> row_seq;
     std::vector<int32_t> row_pos;
     std::vector<int32_t> seq_lens;
@@ -339,9 +344,15 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
           case 4:
             s = c % 211 == 3 ? 1.0f + float(c % 3) : 0.0f;
             break;  // few positives
-          default:
+          case 5:
             s = float(c % 13) * 0.25f;
             break;  // periodic ties
+          case 6:
+            s = float(c) * 0.5f;
+            break;  // ascending: the largest scores at the end of the row
+          default:
+            s = c < 3000 ? 100.0f + normal(rng) : normal(rng);
+            break;  // the largest scores bunched at the start
         }
       }
     }
@@ -358,10 +369,23 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
           std::span<int32_t>(ref_tokens.data() + r * width, size_t(width))));
     }
 
+    // The largest score of each run of kQsaRunGroups groups, as the filtered method may be given.
+    const int64_t run_stride = (max_groups + kQsaRunGroups - 1) / kQsaRunGroups;
+    std::vector<float> run_maxima(size_t(n_rows * run_stride), 0.0f);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t visible = qsa_visible_groups(row_pos[size_t(r)], seq_lens[size_t(r)], kRatio);
+      for (int64_t c = 0; c < visible; ++c) {
+        float& m = run_maxima[size_t(r * run_stride + c / kQsaRunGroups)];
+        const float s = scores[size_t(r * max_groups + c)];
+        m = c % kQsaRunGroups == 0 ? s : std::max(m, s);
+      }
+    }
+
     DeviceBuffer<int32_t> d_row_seq(row_seq);
     DeviceBuffer<int32_t> d_row_pos(row_pos);
     DeviceBuffer<int32_t> d_seq_lens(seq_lens);
     DeviceBuffer<float> d_scores(scores);
+    DeviceBuffer<float> d_run_maxima(run_maxima);
     DeviceBuffer<int32_t> d_tokens(ref_tokens.size());
     DeviceBuffer<int32_t> d_counts(ref_counts.size());
     E4KV_CUDA_CHECK(cudaMemset(d_tokens.ptr, 0x7F, d_tokens.n * sizeof(int32_t)));
@@ -379,18 +403,26 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
     ta.sel_counts = d_counts.ptr;
     const size_t ws_bytes = qsa_top_k_workspace_bytes(n_rows, max_groups, budget, kRatio);
     DeviceBuffer<uint8_t> d_ws(std::max<size_t>(1, ws_bytes));
-    // One phase, then two phases (chunk candidates) where the rows are long enough for them.
-    for (int two_phase = 0; two_phase < (ws_bytes > 0 ? 2 : 1); ++two_phase) {
+    // Every method: scan, two phases (chunk candidates; where the rows are long enough for them
+    // it runs them), filtered.
+    // The filtered method runs with and without run maxima.
+    const QsaTopKMethod methods[4] = {QsaTopKMethod::kScan, QsaTopKMethod::kTwoPhase,
+                                      QsaTopKMethod::kFiltered, QsaTopKMethod::kFiltered};
+    const char* method_names[4] = {"", " two-phase", " filtered", " filtered with run maxima"};
+    for (int m = 0; m < 4; ++m) {
       E4KV_CUDA_CHECK(cudaMemset(d_tokens.ptr, 0x7F, d_tokens.n * sizeof(int32_t)));
       E4KV_CUDA_CHECK(cudaMemset(d_counts.ptr, 0x7F, d_counts.n * sizeof(int32_t)));
-      ta.workspace = two_phase ? d_ws.ptr : nullptr;
+      ta.workspace = d_ws.ptr;
+      ta.method = methods[m];
+      ta.run_maxima = m == 3 ? d_run_maxima.ptr : nullptr;
+      ta.run_stride = m == 3 ? run_stride : 0;
       const Status st = qsa_top_k_select(ta, nullptr);
       ASSERT_TRUE(st.ok()) << st.message();
       E4KV_CUDA_CHECK(cudaDeviceSynchronize());
       EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
                                    width, row_pos,
                                    "crafted budget " + std::to_string(budget) +
-                                       (two_phase ? " two-phase" : "")),
+                                       method_names[m]),
                 0);
     }
   }
@@ -548,6 +580,19 @@ TEST(QsaIndexerCuda, LaunchersRejectBadShapes) {
   EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // null pointers
   ta.rows.n_rows = 0;
   EXPECT_TRUE(qsa_top_k_select(ta, nullptr).ok());
+  // A method that cannot take the shape is refused before any launch (the host pointers below are
+  // never dereferenced).
+  int32_t host_int = 0;
+  float host_score = 0.0f;
+  ta.rows.n_rows = 1;
+  ta.rows.row_seq = ta.rows.row_pos = ta.rows.seq_lens = &host_int;
+  ta.sel_tokens = ta.sel_counts = &host_int;
+  ta.scores = &host_score;
+  ta.max_groups = qsa_top_k_filtered_max_groups() + 1;
+  ta.method = QsaTopKMethod::kFiltered;
+  EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // rows beyond the filtered limit
+  ta.method = QsaTopKMethod::kTwoPhase;
+  EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // no workspace
 }
 
 }  // namespace

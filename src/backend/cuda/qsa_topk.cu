@@ -23,11 +23,21 @@
 // chunk: the union of the chunks' candidates holds the row's top-k under the same order, and the
 // row kernel then runs on S * k candidates instead of the whole row (8x fewer at 32K groups and
 // k = 512), emitting candidate groups, which are already in increasing group order.
-// Limits: visible groups and selection width < 2^31. Static shared memory: about 1.2 KB.
-// Instructions: __match_any_sync (sm_70+).
+//
+// The filtered method (the default up to 131072 groups, described before its kernel below) needs
+// no workspace and reads little more than the row's largest scores: 26 us against 28.6 us for the
+// two phases at 32K groups on the H200 (2026-12-01). Its time is now the latency of one CTA's
+// passes: about 3-5K cycles per radix pass of 1024 threads whatever the contention (per-warp
+// histograms changed nothing), so the next step is fewer block-wide passes, not fewer atomics.
+// Limits: visible groups and selection width < 2^31. Static shared memory: about 1.2 KB (the
+// filtered kernel: 48 KB dynamic, opted in). Instructions: __match_any_sync (sm_70+).
 #include "backend/cuda/qsa_topk.cuh"
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 
@@ -350,7 +360,448 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
+
+// ---- Filtered method --------------------------------------------------------------------------
+// One CTA of 1024 threads per row. The row's groups fall into runs of kRun consecutive groups
+// (run j = groups kRun*j .. kRun*j + kRun - 1); thread t owns runs t, t + 1024, ...
+//  1. The maximum of every run: read from `run_maxima` when the score kernel wrote them, else
+//     computed here by reading the row. L = the k-th largest run maximum (its top 16 bits: a
+//     radix select stopped after two digits, which only lowers L) is a lower bound of the row's
+//     k-th largest score T: k runs have a maximum >= L, so k distinct groups score >= L.
+//  2. Candidates: the groups scoring >= L, read only from the runs whose maximum is >= L. Fewer
+//     than k runs have a maximum > L, so without ties at L there are at most kRun * k candidates
+//     (4096 at k = 512), and about 2% of a row of random scores. They go to shared memory
+//     (key, group), and T with the number of ties to take comes from a radix select over them.
+//     Heavy ties can overflow kFilterCandidates: then the select, and step 3, stream the whole
+//     row from global memory instead (same result, slower).
+//  3. Two bitmaps over the row's groups (score > T, score == T), set from the candidates; one
+//     block scan of their popcounts gives each thread the rank of its first selected group, and
+//     each thread writes its groups' tokens in increasing group order, ties at T taken from the
+//     lowest index.
+constexpr int kFilterThreads = 1024;
+constexpr int kFilterWarps = kFilterThreads / 32;
+constexpr int kRun = int(kQsaRunGroups);
+constexpr int kFilterMaxWords = 4096;           // per bitmap: 131072 groups
+constexpr int kRunsPerThread = kFilterMaxWords * 32 / kRun / kFilterThreads;  // 16
+constexpr int kFilterCandidates = 4096;
+constexpr int kFilterUnroll = 8;
+// Dynamic shared memory: candidate groups, then a region that holds the candidate keys during
+// the select and the two bitmaps after it.
+constexpr size_t kFilterSmemBytes =
+    kFilterCandidates * sizeof(int32_t) + 2 * kFilterMaxWords * sizeof(uint32_t);
+static_assert(kFilterCandidates <= 2 * kFilterMaxWords);
+
+struct FilterKernelParams {
+  const int32_t* row_seq;
+  const int32_t* row_pos;
+  const int32_t* seq_lens;
+  int32_t ratio;
+  int32_t k;
+  int32_t width;
+  const float* scores;      // [n_rows, max_groups]
+  const float* run_maxima;  // [n_rows, run_stride] or nullptr
+  int64_t max_groups;
+  int64_t run_stride;
+  int32_t* sel_tokens;
+  int32_t* sel_counts;
+};
+
+// Words of the per-warp histograms of the radix select (scratch in dynamic shared memory).
+constexpr int kWarpHistWords = kFilterWarps * kBins / 2;
+static_assert(kFilterCandidates + kWarpHistWords <= 2 * kFilterMaxWords);
+
+// Shared state of the block-wide radix select.
+struct SelectShared {
+  uint32_t hist[kBins];
+  uint32_t warp_any[kFilterWarps];  // OR of the valid keys of each warp
+  uint32_t warp_all[kFilterWarps];  // AND of the valid keys of each warp
+  uint32_t found_prefix;
+  uint32_t found_rank;
+};
+
+// The rank-th largest key (rank >= 1) among the keys that `for_each_key` hands to its callback,
+// and how many keys equal to it are within the top `rank`, digit by digit from the top down to
+// the digit at `last_shift` (24: the top byte only; 0: exact). `for_each_key(f)` must call
+// f(key, valid) the same number of times in every lane of a warp (invalid keys are not counted).
+// With last_shift > 0 the result is the key's prefix (lower bits zero), which is <= the key.
+// A digit that every valid key shares (found from the OR and AND of all keys first) takes no
+// histogram pass: scores near one another share their top bytes, and a pass where all keys fall
+// into one bin is the slowest kind (every warp's atomic lands on the same word).
+// Contains block barriers: every thread of the block (kFilterThreads) must call it.
+template <class ForEachKey>
+__device__ void block_radix_select(ForEachKey for_each_key, uint32_t rank, int last_shift,
+                                   SelectShared& sh, uint32_t* warp_hist, uint32_t& threshold,
+                                   uint32_t& ties) {
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  uint32_t any = 0u;
+  uint32_t all = ~0u;
+  for_each_key([&](uint32_t key, bool valid) {
+    if (valid) {
+      any |= key;
+      all &= key;
+    }
+  });
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    any |= __shfl_xor_sync(kFullMask, any, offset);
+    all &= __shfl_xor_sync(kFullMask, all, offset);
+  }
+  if (lane == 0) {
+    sh.warp_any[tid >> 5] = any;
+    sh.warp_all[tid >> 5] = all;
+  }
+  __syncthreads();
+  any = sh.warp_any[lane];
+  all = sh.warp_all[lane];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    any |= __shfl_xor_sync(kFullMask, any, offset);
+    all &= __shfl_xor_sync(kFullMask, all, offset);
+  }
+  const uint32_t agree = ~(any ^ all);  // bits every valid key has alike (none if no keys)
+
+  uint32_t prefix = 0u;
+  uint32_t mask = 0u;
+  for (int shift = 24; shift >= last_shift; shift -= 8) {
+    if (((agree >> shift) & 0xFFu) == 0xFFu) {  // uniform: the digit is known
+      prefix |= all & (0xFFu << shift);
+      mask |= 0xFFu << shift;
+      continue;
+    }
+    // Each warp counts into its own histogram (two 16-bit bins per word: a warp sees fewer than
+    // 65536 keys), so warps never wait on one another's atomics; then 256 threads add them up.
+    for (int i = tid; i < kWarpHistWords; i += kFilterThreads) warp_hist[i] = 0u;
+    __syncthreads();
+    uint32_t* my_hist = warp_hist + (tid >> 5) * (kBins / 2);
+    for_each_key([&](uint32_t key, bool valid) {
+      const uint32_t digit = valid && (key & mask) == prefix ? (key >> shift) & 0xFFu : kBins;
+      const unsigned peers = __match_any_sync(kFullMask, digit);
+      if (digit != kBins && lane == __ffs(peers) - 1) {
+        atomicAdd(&my_hist[digit >> 1], uint32_t(__popc(peers)) << ((digit & 1u) * 16u));
+      }
+    });
+    __syncthreads();
+    if (tid < kBins) {
+      uint32_t total = 0u;
+#pragma unroll 8
+      for (int w = 0; w < kFilterWarps; ++w) {
+        total += (warp_hist[w * (kBins / 2) + (tid >> 1)] >> ((tid & 1) * 16)) & 0xFFFFu;
+      }
+      sh.hist[tid] = total;
+    }
+    __syncthreads();
+    if (tid < 32) find_digit(sh.hist, prefix, rank, shift, lane, sh.found_prefix, sh.found_rank);
+    __syncthreads();
+    prefix = sh.found_prefix;
+    rank = sh.found_rank;
+    mask |= 0xFFu << shift;
+  }
+  threshold = prefix;
+  ties = rank;
+}
+
+// The order keys of run j (groups kRun*j ..), key 0 for groups at or past `visible`. Two 16-byte
+// loads when the row is 16-byte aligned and the run is whole, else one load per group.
+__device__ __forceinline__ void load_run(const float* scores, int32_t j, int32_t visible,
+                                         bool aligned, uint32_t (&keys)[kRun]) {
+  static_assert(kRun == 8);
+  const int32_t first = j * kRun;
+  if (aligned && first + kRun <= visible) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(scores + first));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(scores + first) + 1);
+    const float v[kRun] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) keys[i] = order_key(v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      keys[i] = first + i < visible ? order_key(__ldg(scores + first + i)) : 0u;
+    }
+  }
+}
+
+// Exclusive block-wide scan of two counters at once (totals < 2^32 each).
+__device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
+                                                      uint2* warp_totals) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint32_t ia = warp_inclusive_scan(a, lane);
+  const uint32_t ib = warp_inclusive_scan(b, lane);
+  if (lane == 31) warp_totals[warp] = make_uint2(ia, ib);
+  __syncthreads();
+  if (warp == 0) {
+    const uint2 t = lane < kFilterWarps ? warp_totals[lane] : make_uint2(0u, 0u);
+    const uint32_t sa = warp_inclusive_scan(t.x, lane);
+    const uint32_t sb = warp_inclusive_scan(t.y, lane);
+    if (lane < kFilterWarps) warp_totals[lane] = make_uint2(sa - t.x, sb - t.y);
+  }
+  __syncthreads();
+  a = ia - a + warp_totals[warp].x;
+  b = ib - b + warp_totals[warp].y;
+}
+
+__global__ void __launch_bounds__(kFilterThreads)
+    qsa_top_k_filtered_kernel(const __grid_constant__ FilterKernelParams p) {
+  static_assert(kFilterThreads >= kBins);
+  extern __shared__ __align__(16) uint32_t filter_smem[];
+  int32_t* cand_groups = reinterpret_cast<int32_t*>(filter_smem);
+  uint32_t* cand_keys = filter_smem + kFilterCandidates;
+  uint32_t* above_bits = filter_smem + kFilterCandidates;  // after the select
+  uint32_t* equal_bits = above_bits + kFilterMaxWords;
+  // Radix-select scratch: the last kWarpHistWords words, unused until the bitmaps are built.
+  uint32_t* warp_hist = equal_bits + kFilterMaxWords - kWarpHistWords;
+  __shared__ SelectShared sel;
+  __shared__ uint2 warp_totals[kFilterWarps];
+  __shared__ uint32_t n_cand_s;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int64_t row = blockIdx.x;
+  const int32_t seq = p.row_seq[row];
+  const int32_t pos = p.row_pos[row];
+  const int32_t ratio = p.ratio;
+  const int32_t causal = (pos + 1) / ratio;
+  const int32_t written = p.seq_lens[seq] / ratio;
+  int32_t visible = causal < written ? causal : written;
+  if (visible > p.max_groups) visible = int32_t(p.max_groups);
+  if (visible < 0) visible = 0;
+  int32_t* out = p.sel_tokens + row * p.width;
+  const float* scores = p.scores + row * p.max_groups;
+
+  int32_t n_groups;
+  if (visible <= p.k) {
+    n_groups = visible;
+    for (int32_t j = tid; j < n_groups * ratio; j += kFilterThreads) out[j] = j;
+  } else {
+    n_groups = p.k;
+    const int32_t n_runs = (visible + kRun - 1) / kRun;
+    const bool aligned = (reinterpret_cast<uintptr_t>(scores) & 15u) == 0u;  // uniform
+
+    // 1. Run maxima (key 0, below every score's key, for runs past the row) and the bound L.
+    uint32_t run_max[kRunsPerThread];
+    if (p.run_maxima != nullptr) {
+      const float* maxima = p.run_maxima + row * p.run_stride;
+#pragma unroll
+      for (int u = 0; u < kRunsPerThread; ++u) {
+        const int32_t j = u * kFilterThreads + tid;
+        run_max[u] = j < n_runs ? order_key(__ldg(maxima + j)) : 0u;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kRunsPerThread; ++u) {
+        const int32_t j = u * kFilterThreads + tid;
+        uint32_t m = 0u;
+        if (j < n_runs) {
+          uint32_t keys[kRun];
+          load_run(scores, j, visible, aligned, keys);
+#pragma unroll
+          for (int i = 0; i < kRun; ++i) m = keys[i] > m ? keys[i] : m;
+        }
+        run_max[u] = m;
+      }
+    }
+    uint32_t floor_key = 0u;  // every key is >= 0
+    if (n_runs >= p.k) {
+      uint32_t unused;
+      block_radix_select(
+          [&](auto&& f) {
+#pragma unroll
+            for (int u = 0; u < kRunsPerThread; ++u) {
+              if (u * kFilterThreads < n_runs) f(run_max[u], true);  // uniform
+            }
+          },
+          uint32_t(p.k), 16, sel, warp_hist, floor_key, unused);
+    }
+
+    // 2. Candidates: each thread counts the keys >= L in its open runs, one block scan of the
+    //    counts gives the slots, and a second visit (L1 hits) writes them. The count goes on past
+    //    the capacity.
+    auto for_each_candidate = [&](auto&& f) {  // f(key, group), in this thread's run order
+      constexpr int kBatch = 2;                // runs whose loads are in flight together
+#pragma unroll
+      for (int u0 = 0; u0 < kRunsPerThread; u0 += kBatch) {
+        if (u0 * kFilterThreads >= n_runs) break;  // uniform
+        uint32_t keys[kBatch][kRun];
+#pragma unroll
+        for (int du = 0; du < kBatch; ++du) {
+          const int32_t j = (u0 + du) * kFilterThreads + tid;
+          if (j < n_runs && run_max[u0 + du] >= floor_key) {
+            load_run(scores, j, visible, aligned, keys[du]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kRun; ++i) keys[du][i] = 0u;
+          }
+        }
+#pragma unroll
+        for (int du = 0; du < kBatch; ++du) {
+#pragma unroll
+          for (int i = 0; i < kRun; ++i) {
+            // Key 0 is no score's key: it marks loads that were not made.
+            if (keys[du][i] != 0u && keys[du][i] >= floor_key) {
+              f(keys[du][i], ((u0 + du) * kFilterThreads + tid) * kRun + i);
+            }
+          }
+        }
+      }
+    };
+    uint32_t n_take = 0u;
+    for_each_candidate([&](uint32_t, int32_t) { ++n_take; });
+    uint32_t cand_slot = n_take;
+    uint32_t unused = 0u;
+    block_exclusive_scan2(cand_slot, unused, warp_totals);
+    if (tid == kFilterThreads - 1) n_cand_s = cand_slot + n_take;
+    for_each_candidate([&](uint32_t key, int32_t group) {
+      if (cand_slot < uint32_t(kFilterCandidates)) {
+        cand_keys[cand_slot] = key;
+        cand_groups[cand_slot] = group;
+      }
+      ++cand_slot;
+    });
+    __syncthreads();
+    const uint32_t n_cand = n_cand_s;
+    const bool in_shared = n_cand <= uint32_t(kFilterCandidates);  // uniform
+
+    // Streams the row's keys (thread t: groups t, t + 1024, ...), kFilterUnroll loads in flight;
+    // calls f(key, valid, group) warp-uniformly. The overflow path only.
+    auto stream_row = [&](auto&& f) {
+      for (int32_t base = 0; base < visible; base += kFilterThreads * kFilterUnroll) {
+        uint32_t keys[kFilterUnroll];
+#pragma unroll
+        for (int u = 0; u < kFilterUnroll; ++u) {
+          const int32_t c = base + u * kFilterThreads + tid;
+          keys[u] = c < visible ? order_key(__ldg(scores + c)) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < kFilterUnroll; ++u) {
+          const int32_t c = base + u * kFilterThreads + tid;
+          f(keys[u], c < visible, c);
+        }
+      }
+    };
+
+    uint32_t threshold;
+    uint32_t ties;
+    if (in_shared) {
+      block_radix_select(
+          [&](auto&& f) {
+            for (uint32_t base = 0; base < n_cand; base += kFilterThreads) {
+              const uint32_t i = base + uint32_t(tid);
+              f(i < n_cand ? cand_keys[i] : 0u, i < n_cand);
+            }
+          },
+          uint32_t(p.k), 0, sel, warp_hist, threshold, ties);
+    } else {
+      block_radix_select(
+          [&](auto&& f) {
+            stream_row(
+                [&](uint32_t key, bool valid, int32_t) { f(key, valid && key >= floor_key); });
+          },
+          uint32_t(p.k), 0, sel, warp_hist, threshold, ties);
+    }
+
+    // 3. Bitmaps: word w holds groups 32w .. 32w + 31.
+    const int32_t n_words = (visible + 31) / 32;
+    if (in_shared) {
+      // Candidate keys are read into registers before the region becomes bitmaps.
+      uint32_t mine[kFilterCandidates / kFilterThreads];
+      int32_t mine_group[kFilterCandidates / kFilterThreads];
+#pragma unroll
+      for (int u = 0; u < kFilterCandidates / kFilterThreads; ++u) {
+        const uint32_t i = uint32_t(u * kFilterThreads + tid);
+        mine[u] = i < n_cand ? cand_keys[i] : 0u;
+        mine_group[u] = i < n_cand ? cand_groups[i] : -1;
+      }
+      __syncthreads();
+      for (int32_t w = tid; w < n_words; w += kFilterThreads) above_bits[w] = equal_bits[w] = 0u;
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < kFilterCandidates / kFilterThreads; ++u) {
+        const int32_t g = mine_group[u];
+        if (g >= 0 && mine[u] >= threshold) {
+          uint32_t* bits = mine[u] > threshold ? above_bits : equal_bits;
+          atomicOr(&bits[g / 32], 1u << (g % 32));
+        }
+      }
+    } else {
+      __syncthreads();  // the candidate region becomes the bitmaps
+      // Thread t of a 1024-group slab is bit t % 32 of word slab * 32 + t / 32.
+      for (int32_t base = 0; base < visible; base += kFilterThreads) {
+        const int32_t c = base + tid;
+        const uint32_t key = c < visible ? order_key(__ldg(scores + c)) : 0u;
+        const unsigned above = __ballot_sync(kFullMask, c < visible && key > threshold);
+        const unsigned equal = __ballot_sync(kFullMask, c < visible && key == threshold);
+        if (lane == 0 && base / 32 + warp < n_words) {
+          above_bits[base / 32 + warp] = above;
+          equal_bits[base / 32 + warp] = equal;
+        }
+      }
+    }
+    __syncthreads();
+    const int32_t words_per_thread = (n_words + kFilterThreads - 1) / kFilterThreads;
+    const int32_t w_begin = tid * words_per_thread;
+    const int32_t w_end =
+        w_begin + words_per_thread < n_words ? w_begin + words_per_thread : n_words;
+    uint32_t above_before = 0u;
+    uint32_t equal_before = 0u;
+    for (int32_t w = w_begin; w < w_end; ++w) {
+      above_before += uint32_t(__popc(above_bits[w]));
+      equal_before += uint32_t(__popc(equal_bits[w]));
+    }
+    block_exclusive_scan2(above_before, equal_before, warp_totals);
+    uint32_t slot = above_before + (equal_before < ties ? equal_before : ties);
+    for (int32_t w = w_begin; w < w_end; ++w) {
+      const uint32_t equal = equal_bits[w];
+      uint32_t taken = 0u;
+      if (equal_before < ties) {
+        const uint32_t need = ties - equal_before;
+        taken = equal;
+        if (uint32_t(__popc(equal)) > need) {  // the lowest `need` set bits
+          uint32_t rest = equal;
+          for (uint32_t i = 0; i < need; ++i) rest &= rest - 1u;
+          taken = equal ^ rest;
+        }
+      }
+      equal_before += uint32_t(__popc(equal));
+      uint32_t chosen = above_bits[w] | taken;
+      while (chosen != 0u) {
+        const int bit = __ffs(chosen) - 1;
+        chosen &= chosen - 1u;
+        const int32_t group = w * 32 + bit;
+        for (int32_t i = 0; i < ratio; ++i) out[int32_t(slot) * ratio + i] = group * ratio + i;
+        ++slot;
+      }
+    }
+  }
+
+  // Causal tail, then -1 padding.
+  const int32_t tail_begin = ratio * causal;
+  const int32_t group_tokens = n_groups * ratio;
+  const int32_t count = group_tokens + (pos + 1 - tail_begin);
+  for (int32_t j = group_tokens + tid; j < p.width; j += kFilterThreads) {
+    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
+  }
+  if (tid == 0) p.sel_counts[row] = count;
+}
+
+// The filtered kernel's dynamic shared memory is above the 48 KB default: opt in once per device.
+void allow_filter_shared_memory() {
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<int> done;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (std::find(done.begin(), done.end(), device) != done.end()) return;
+  E4KV_CUDA_CHECK(cudaFuncSetAttribute(qsa_top_k_filtered_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(kFilterSmemBytes)));
+  done.push_back(device);
+}
+
 }  // namespace
+
+int64_t qsa_top_k_filtered_max_groups() { return int64_t(kFilterMaxWords) * 32; }
 
 size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
                                  int64_t ratio) {
@@ -381,6 +832,47 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
       (args.scores == nullptr && args.max_groups > args.budget / args.ratio)) {
     return Status::error("qsa_top_k_select: a required device pointer is null");
   }
+  QsaTopKMethod method = args.method;
+  if (method == QsaTopKMethod::kAuto) {
+    method = args.max_groups <= qsa_top_k_filtered_max_groups() ? QsaTopKMethod::kFiltered
+             : args.workspace != nullptr                        ? QsaTopKMethod::kTwoPhase
+                                                                : QsaTopKMethod::kScan;
+  }
+  if (method == QsaTopKMethod::kFiltered) {
+    if (args.max_groups > qsa_top_k_filtered_max_groups()) {
+      return Status::error(cat("qsa_top_k_select: max_groups ", args.max_groups,
+                               " exceeds the filtered method's limit of ",
+                               qsa_top_k_filtered_max_groups(),
+                               " groups; use QsaTopKMethod::kAuto"));
+    }
+    if (args.run_maxima != nullptr &&
+        args.run_stride < (args.max_groups + kQsaRunGroups - 1) / kQsaRunGroups) {
+      return Status::error(cat("qsa_top_k_select: run_stride ", args.run_stride,
+                               " is below ceil(max_groups / ", kQsaRunGroups, ")"));
+    }
+    allow_filter_shared_memory();
+    FilterKernelParams fp{};
+    fp.row_seq = args.rows.row_seq;
+    fp.row_pos = args.rows.row_pos;
+    fp.seq_lens = args.rows.seq_lens;
+    fp.ratio = int32_t(args.ratio);
+    fp.k = int32_t(args.budget / args.ratio);
+    fp.width = int32_t(width);
+    fp.scores = args.scores;
+    fp.max_groups = args.max_groups;
+    fp.run_maxima = args.run_maxima;
+    fp.run_stride = args.run_stride;
+    fp.sel_tokens = args.sel_tokens;
+    fp.sel_counts = args.sel_counts;
+    qsa_top_k_filtered_kernel<<<unsigned(args.rows.n_rows), kFilterThreads, kFilterSmemBytes,
+                                stream>>>(fp);
+    E4KV_CUDA_CHECK_LAUNCH();
+    return ok_status();
+  }
+  if (method == QsaTopKMethod::kTwoPhase && args.workspace == nullptr) {
+    return Status::error("qsa_top_k_select: the two-phase method needs a workspace "
+                         "(qsa_top_k_workspace_bytes)");
+  }
   TopKKernelParams kp{};
   kp.row_seq = args.rows.row_seq;
   kp.row_pos = args.rows.row_pos;
@@ -394,7 +886,7 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
   kp.sel_counts = args.sel_counts;
   const size_t ws_bytes =
       qsa_top_k_workspace_bytes(args.rows.n_rows, args.max_groups, args.budget, args.ratio);
-  if (args.workspace != nullptr && ws_bytes > 0) {
+  if (method == QsaTopKMethod::kTwoPhase && ws_bytes > 0) {
     ChunkKernelParams cp{};
     cp.row_seq = kp.row_seq;
     cp.row_pos = kp.row_pos;

@@ -13,6 +13,22 @@
 
 namespace e4kv::cuda {
 
+// How qsa_top_k_select finds each row's top-k; every method gives identical results.
+enum class QsaTopKMethod {
+  kAuto,      // kFiltered when max_groups <= qsa_top_k_filtered_max_groups(), else kTwoPhase with a
+              // workspace, else kScan
+  kFiltered,  // one CTA per row: a lower bound from per-thread maxima, select among the few keys
+              // above it in shared memory, ordered emission from bitmaps (max_groups <= limit)
+  kTwoPhase,  // chunk candidates with many CTAs per row, then one CTA per row (needs workspace)
+  kScan,      // one CTA per row, radix passes over the whole row
+};
+
+// Groups per run for the run maxima that qsa_index_scores can write and kFiltered reads.
+inline constexpr int64_t kQsaRunGroups = 8;
+
+// Longest rows (in groups) the filtered method takes: 131072 groups = 512K tokens at ratio 4.
+int64_t qsa_top_k_filtered_max_groups();
+
 // Device pointers throughout.
 struct QsaTopKArgs {
   QueryBatchView rows;  // row_seq, row_pos: [n_rows]; seq_lens: [n_seqs] (rows.sel_* ignored)
@@ -20,11 +36,18 @@ struct QsaTopKArgs {
   int64_t budget = 2048;          // tokens; k = budget / ratio groups
   const float* scores = nullptr;  // [n_rows, max_groups] (qsa_index_scores); never NaN
   int64_t max_groups = 0;         // row stride of scores, >= every row's visible groups
+  // Optional: the largest score of each run of kQsaRunGroups consecutive groups (the last run of a
+  // row may be shorter), [n_rows, run_stride], run_stride >= ceil(max_groups / kQsaRunGroups), as
+  // qsa_index_scores writes them. kFiltered then reads a row's scores only in the runs that can
+  // hold a selected group; without them it reads the whole row once more.
+  const float* run_maxima = nullptr;
+  int64_t run_stride = 0;
   int32_t* sel_tokens = nullptr;  // [n_rows, budget + ratio - 1]
   int32_t* sel_counts = nullptr;  // [n_rows]
   // Candidate workspace (qsa_top_k_workspace_bytes), or nullptr: then one CTA per row scans the
   // whole row (slower at long contexts, no workspace).
   void* workspace = nullptr;
+  QsaTopKMethod method = QsaTopKMethod::kAuto;
 };
 
 // Bytes of the candidate workspace for these sizes; 0 when the two-phase path would not shrink the
@@ -36,10 +59,12 @@ size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t bud
 // takes every visible group without reading scores, otherwise the groups scoring strictly above
 // the k-th score and then the lowest-index groups equal to it; groups in increasing index, each
 // expanded to ratio tokens, then the causal tail ratio * ((pos + 1) / ratio) .. pos, then -1.
-// With a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per row) each keep
+// The method is chosen as QsaTopKMethod says; kFiltered is the fast one (see qsa_topk.cu).
+// With kTwoPhase and a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per row) each keep
 // their exact local top-k (same order), whose union holds the row's top-k, then one CTA per row
 // selects from the candidates. Both paths give identical results.
-// Limits: none beyond int32 indices. Returns an error for bad shapes; launch failures are fatal.
+// Limits: none beyond int32 indices (kFiltered: max_groups <= qsa_top_k_filtered_max_groups();
+// kTwoPhase: a workspace). Returns an error for bad shapes; launch failures are fatal.
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream);
 
 }  // namespace e4kv::cuda
