@@ -2,45 +2,74 @@
 // complete group c of every query row, read through the block table from the paged compressed
 // indexer cache (DESIGN.md section 4, step 5).
 //
-// Bit-identical to the CPU reference (qsa/selection.h): one thread owns one (row, group) and runs
-// the reference's loops in the reference's order with __fmul_rn / __fadd_rn (no FMA contraction):
-// each head's dot product is a chain over d = 0..index_dim-1, the heads are summed in order, then
-// one IEEE division by the host's sqrtf(index_dim). The top-k that follows can therefore be
-// compared exactly with the CPU selection.
+// Bit-identical to the CPU reference (qsa/selection.h): each (row, group) is scored by one lane
+// running the reference's loops in the reference's order with __fmul_rn / __fadd_rn (no FMA
+// contraction): each head's dot product is a chain over d = 0..index_dim-1 starting from 0.0f, the
+// heads are summed in order, then one IEEE division by the host's sqrtf(index_dim). The top-k that
+// follows can therefore be compared exactly with the CPU selection. Tensor cores would be faster
+// but not bit-exact.
 //
-// Work: a CTA of 128 threads scores 128 consecutive groups of one row. The index query of the row
-// is widened to fp32 once per CTA into shared memory (read as warp-wide broadcasts); the 128
-// compressed rows are staged 64 dims at a time into shared memory with coalesced 16-byte loads
-// (8 threads per 128-byte row segment), padded by 16 bytes per row so that each thread's 16-byte
-// reads of its own row are conflict-free. The heads' chains are independent, so each thread keeps
-// up to 8 FADD chains in flight and the SM hides their latency with other warps. The cost is
-// n_heads * index_dim FMUL+FADD per group, about the same time as reading the 256-byte row at
-// HBM bandwidth on an H200; tensor cores would be faster but not bit-exact.
+// Work: persistent warps. A warp tile is 64 consecutive groups of one row, two per lane (groups
+// lane and lane + 32), so each broadcast read of the query from shared memory serves two groups.
+// The virtual tiles (n_rows x ceil(max_groups / 64)) are split into equal contiguous ranges, one
+// per warp, with no more warps than fit on the device at once (occupancy queried once per device
+// and shape): no partial wave, and a warp keeps its row's query and row metadata across the tiles
+// of a row. Tiles past a row's visible groups, and rows with visible <= skip_visible_at_most, are
+// skipped a row at a time.
+//   Pipeline: each warp owns a ring of kStages shared-memory stages; a stage holds 32 dims of the
+// tile's 64 compressed rows (4 KB). The warp issues stage u + kStages - 1 with cp.async (16-byte,
+// .cg, sm_80+) before computing stage u, across tile boundaries, so the HBM reads of later stages
+// are in flight during the math and no block barrier couples the warps (__syncwarp orders the
+// ring). Four lanes copy one row's 64-byte segment (two full sectors); 16-byte vectors are
+// XOR-swizzled within a row so that the copies and the per-lane row reads are conflict-free.
+// Below sm_80 the same ring is filled with plain loads.
+//   Math: the row's query is widened to fp32 once per warp per row, in shared memory laid out
+// [index_dim / 8][n_heads][8] so a lane reads the 8 dims of every head at fixed offsets; the head
+// count is a template parameter, so the 2 * n_heads FADD chains of a lane have no predicates.
+// Per lane and 8 dims: 16 * n_heads FP32 instructions (FMUL + FADD, the floor), 16 FP16 -> fp32
+// widenings, 2 * n_heads broadcast 16-byte query reads and 2 row reads.
+//   Groups whose block is unreadable get a zero-filled row: every product is then +-0 or NaN, so
+// the chain stays +0 or becomes NaN, fmaxf makes it +0 and the score is exactly +0.0f, as before.
 //
 // Limits: n_index_heads 1..8, index_dim a multiple of 8 and <= 256, any block_size that is a
-// multiple of ratio. Shared memory: 8 KB (q) + 18 KB (tile) + 1 KB (row pointers), static.
-// Instructions: sm_70+ (nothing architecture-specific).
+// multiple of ratio, fewer than 2^31 compressed rows. Shared memory per warp: kStages x 4 KB + the
+// fp32 query (n_heads * index_dim * 4 bytes); up to 4 warps per CTA. Instructions: sm_75+ (cp.async
+// on sm_80+ only).
 #include "backend/cuda/qsa_index_scores.cuh"
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <utility>
+#include <vector>
 
+#include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
+
+#ifndef E4KV_QSA_ACC_VARIANT
+#define E4KV_QSA_ACC_VARIANT 0
+#endif
 
 namespace e4kv::cuda {
 namespace {
 
-constexpr int kThreads = 128;  // one group per thread
-constexpr int kChunkDims = 64;
-constexpr int kChunkVecs = kChunkDims / 8;  // 16-byte vectors per row per chunk
+constexpr int kTileGroups = 64;                            // groups per warp tile, two per lane
+constexpr int kChunkVecs = 4;                              // 16-byte vectors (8 dims) per row
+constexpr int kChunkDims = 8 * kChunkVecs;                 // dims per stage
+constexpr int kStages = 3;                                 // ring depth: 2 stages in flight
+constexpr int kStageVecs = kTileGroups * kChunkVecs;       // 256 x 16 bytes
+constexpr int kStageBytes = kStageVecs * 16;               // 4 KB
+constexpr int kCopyRounds = kTileGroups * kChunkVecs / 32;  // copies per lane per stage: 8
 constexpr int kMaxHeads = 8;
 constexpr int kMaxDim = 256;
+constexpr int kMaxWarpsPerCta = 4;
+constexpr int64_t kMaxGroupsLimit = (int64_t(1) << 31) - 128;
 
 struct ScoresKernelParams {
   const uint16_t* compressed;  // [n_blocks, rows_per_block, index_dim] FP16
   int64_t n_blocks;
-  int32_t block_size;
   int32_t rows_per_block;
   int32_t ratio;
   int32_t index_dim;
@@ -50,112 +79,421 @@ struct ScoresKernelParams {
   const int32_t* row_pos;   // [n_rows]
   const int32_t* seq_lens;  // [n_seqs]
   const uint16_t* index_q;  // [n_rows, n_heads, index_dim] FP16
-  int32_t n_heads;
   int64_t max_groups;
   int64_t skip_visible_at_most;
   float sqrt_index_dim;  // sqrtf(float(index_dim)), as the CPU computes it
   float* scores;         // [n_rows, max_groups]
+  int64_t tiles_per_row;   // ceil(max_groups / kTileGroups)
+  int64_t n_tiles;         // n_rows * tiles_per_row (virtual: most rows see fewer groups)
+  int64_t tiles_per_warp;  // warp w owns virtual tiles [w * tiles_per_warp, ... + tiles_per_warp)
+  int64_t n_warps;         // warps with a non-empty range
 };
 
 __device__ __forceinline__ float half_bits_to_float(uint32_t bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
-__global__ void __launch_bounds__(kThreads)
-    qsa_index_scores_kernel(const __grid_constant__ ScoresKernelParams p) {
-  __shared__ __align__(16) float q_s[kMaxHeads * kMaxDim];  // [n_heads, index_dim] fp32
-  __shared__ uint4 tile[kThreads][kChunkVecs + 1];          // +1: conflict-free row reads
-  __shared__ const uint4* row_ptr[kThreads];                // nullptr: group not readable
+__device__ __forceinline__ void widen8(const uint4 raw, float (&out)[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    out[2 * w] = half_bits_to_float(words[w] & 0xFFFFu);
+    out[2 * w + 1] = half_bits_to_float(words[w] >> 16);
+  }
+}
 
-  const int tid = threadIdx.x;
-  const int64_t row = blockIdx.y;
-  const int32_t seq = p.row_seq[row];
-  const int64_t pos = p.row_pos[row];
-  const int64_t seq_len = p.seq_lens[seq];
-  const int64_t causal = (pos + 1) / p.ratio;
-  const int64_t written = seq_len / p.ratio;
-  int64_t visible = causal < written ? causal : written;
-  if (visible > p.max_groups) visible = p.max_groups;
-  if (visible <= p.skip_visible_at_most) return;
-  const int64_t group_base = int64_t(blockIdx.x) * kThreads;
-  if (group_base >= visible) return;  // uniform over the CTA
+// 16-byte global -> shared copy that reads `src_bytes` (16 or 0) bytes and zero-fills the rest:
+// cp.async.cg on sm_80+ (no branch for rows that are not read), plain load and store below.
+__device__ __forceinline__ void copy_16_or_zero(uint4* smem, const uint16_t* gmem,
+                                                uint32_t src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+#else
+  *smem = src_bytes != 0 ? __ldg(reinterpret_cast<const uint4*>(gmem)) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+// Tiles started by the producer side of a warp and not yet started by its consumer side. The
+// producer runs kStages - 1 = 2 stages ahead, so at most two tiles wait here (see the main loop).
+struct TileQueue {
+  int32_t row[2];
+  uint32_t tile[2];   // tile index within the row
+  int32_t valid[2];   // groups of the tile below the row's visible count (1..64)
+  int size = 0;
+
+  __device__ __forceinline__ void push(int32_t r, uint32_t t, int32_t v) {
+    if (size == 0) {
+      row[0] = r, tile[0] = t, valid[0] = v;
+    } else {
+      row[1] = r, tile[1] = t, valid[1] = v;
+    }
+    ++size;
+  }
+  __device__ __forceinline__ void pop(int32_t& r, uint32_t& t, int32_t& v) {
+    r = row[0], t = tile[0], v = valid[0];
+    row[0] = row[1], tile[0] = tile[1], valid[0] = valid[1];
+    --size;
+  }
+};
+
+// The copying side of a warp: walks the warp's range of virtual tiles, skips what is not visible,
+// and fills ring stages. Lane l copies vector (l % 4) of rows l / 4 + 8 i, i = 0..7.
+struct Producer {
+  int64_t tile;      // next candidate virtual tile
+  int64_t tile_end;  // end of the warp's range
+  int32_t row;       // row of `tile`
+  uint32_t tile_in_row;
+  int32_t meta_row = -1;  // row whose metadata is cached below
+  int32_t seq = 0;
+  int32_t visible = 0;  // 0 when the row is skipped
+  int chunk = 0;        // next stage of the current tile
+  bool active = false;  // a tile is being copied
+  // Compressed row of each copied group (row 0 for groups that are not read) and a bit per group
+  // that is read: unreadable blocks and groups past visible are zero-filled instead.
+  uint32_t src_row[kCopyRounds];
+  uint32_t read_mask = 0;
+
+  // Finds the next visible tile at or after `tile`; computes its source rows and queues it. On a
+  // new row the block-table entries are loaded beside the sequence length (both need only the
+  // row's sequence), so a warp's first tile waits for three dependent loads, not four.
+  __device__ __forceinline__ bool start_tile(const ScoresKernelParams& p, int lane,
+                                             TileQueue& queue) {
+    const uint32_t rpb = uint32_t(p.rows_per_block);
+    while (tile < tile_end) {
+      const bool fresh = row != meta_row;
+      int64_t pos = 0;
+      if (fresh) {
+        seq = __ldg(p.row_seq + row);
+        pos = __ldg(p.row_pos + row);
+      }
+      // Logical block and slot of each copied group, stepping 8 groups at a time (one division
+      // per tile).
+      const int32_t base = int32_t(tile_in_row) * kTileGroups;
+      const uint32_t c = uint32_t(base) + uint32_t(lane >> 2);
+      uint32_t logical[kCopyRounds];
+      uint32_t slot[kCopyRounds];
+      logical[0] = c / rpb;
+      slot[0] = c - logical[0] * rpb;
+#pragma unroll
+      for (int i = 1; i < kCopyRounds; ++i) {
+        logical[i] = logical[i - 1];
+        slot[i] = slot[i - 1] + 8;
+        while (slot[i] >= rpb) slot[i] -= rpb, ++logical[i];
+      }
+      const int32_t* table_row = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
+      int32_t block[kCopyRounds];
+#pragma unroll
+      for (int i = 0; i < kCopyRounds; ++i) {
+        block[i] = int64_t(logical[i]) < p.max_blocks_per_seq ? __ldg(table_row + logical[i]) : -1;
+      }
+      if (fresh) {
+        meta_row = row;
+        const int64_t seq_len = __ldg(p.seq_lens + seq);
+        const int64_t causal = (pos + 1) / p.ratio;
+        const int64_t written = seq_len / p.ratio;
+        int64_t vis = causal < written ? causal : written;
+        if (vis > p.max_groups) vis = p.max_groups;
+        visible = vis > p.skip_visible_at_most ? int32_t(vis) : 0;
+      }
+      if (base < visible) {
+        queue.push(row, tile_in_row, min(kTileGroups, visible - base));
+        read_mask = 0;
+#pragma unroll
+        for (int i = 0; i < kCopyRounds; ++i) {
+          const bool read = int32_t(c) + 8 * i < visible && block[i] >= 0 &&
+                            int64_t(block[i]) < p.n_blocks;
+          src_row[i] = read ? uint32_t(block[i]) * rpb + slot[i] : 0u;
+          read_mask |= read ? 1u << i : 0u;
+        }
+        chunk = 0;
+        // The cursor moves past this tile.
+        ++tile;
+        if (int64_t(++tile_in_row) == p.tiles_per_row) tile_in_row = 0, ++row;
+        return true;
+      }
+      // The rest of this row is not visible (or the row is skipped): on to the next row.
+      tile += p.tiles_per_row - int64_t(tile_in_row);
+      ++row;
+      tile_in_row = 0;
+    }
+    return false;
+  }
+
+  // Issues the copies of the next stage of the current tile (starting a tile when needed) into
+  // `stage`, then commits one cp.async group (empty when the warp's range is exhausted).
+  __device__ __forceinline__ void produce(const ScoresKernelParams& p, int lane, int n_vecs,
+                                          uint4* stage, TileQueue& queue) {
+    if (!active) active = start_tile(p, lane, queue);
+    if (active) {
+      const int v = lane & (kChunkVecs - 1);
+      const int chunk_vecs = min(kChunkVecs, n_vecs - chunk * kChunkVecs);
+      if (v < chunk_vecs) {
+        // Row lane / 4 + 8 i, vector v, swizzled by (row / 2) % 4 = (lane / 8) % 4.
+        uint4* dst = stage + (lane >> 2) * kChunkVecs + (v ^ ((lane >> 3) & 3));
+        const uint16_t* col = p.compressed + chunk * kChunkDims + v * 8;
+#pragma unroll
+        for (int i = 0; i < kCopyRounds; ++i) {
+          copy_16_or_zero(dst + i * 8 * kChunkVecs, col + size_t(src_row[i]) * uint32_t(p.index_dim),
+                          (read_mask >> i) & 1u ? 16u : 0u);
+        }
+      }
+      if (++chunk * kChunkVecs >= n_vecs) active = false;
+    }
+    cp_async_commit();
+  }
+};
+
+// acc[h] += q_h[d..d+8) . k[d..d+8), one FMUL and one FADD per element, in dim order.
+// q: [n_heads][8] fp32 of these 8 dims.
+template <int kHeads>
+__device__ __forceinline__ void accumulate8(const uint4 k_a, const uint4 k_b, const float* q,
+                                            float (&acc_a)[kHeads], float (&acc_b)[kHeads]) {
+  float ka[8];
+  float kb[8];
+  widen8(k_a, ka);
+  widen8(k_b, kb);
+#if E4KV_QSA_ACC_VARIANT == 1
+  float qv[kHeads][8];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+    const float4 q_lo = *reinterpret_cast<const float4*>(q + 8 * h);
+    const float4 q_hi = *reinterpret_cast<const float4*>(q + 8 * h + 4);
+    qv[h][0] = q_lo.x, qv[h][1] = q_lo.y, qv[h][2] = q_lo.z, qv[h][3] = q_lo.w;
+    qv[h][4] = q_hi.x, qv[h][5] = q_hi.y, qv[h][6] = q_hi.z, qv[h][7] = q_hi.w;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      acc_a[h] = __fadd_rn(acc_a[h], __fmul_rn(qv[h][e], ka[e]));
+      acc_b[h] = __fadd_rn(acc_b[h], __fmul_rn(qv[h][e], kb[e]));
+    }
+  }
+  return;
+#endif
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+    const float4 q_lo = *reinterpret_cast<const float4*>(q + 8 * h);
+    const float4 q_hi = *reinterpret_cast<const float4*>(q + 8 * h + 4);
+    const float q8[8] = {q_lo.x, q_lo.y, q_lo.z, q_lo.w, q_hi.x, q_hi.y, q_hi.z, q_hi.w};
+    float a = acc_a[h];
+    float b = acc_b[h];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      a = __fadd_rn(a, __fmul_rn(q8[e], ka[e]));
+      b = __fadd_rn(b, __fmul_rn(q8[e], kb[e]));
+    }
+    acc_a[h] = a;
+    acc_b[h] = b;
+  }
+}
+
+template <int kHeads>
+__device__ __forceinline__ float finish_score(const float (&acc)[kHeads], float sqrt_index_dim) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) sum = __fadd_rn(sum, fmaxf(acc[h], 0.0f));
+  return __fdiv_rn(sum, sqrt_index_dim);
+}
+
+template <int kHeads>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
+    qsa_index_scores_kernel(const __grid_constant__ ScoresKernelParams p) {
+  extern __shared__ __align__(16) unsigned char scores_smem[];
+  const int lane = int(threadIdx.x) & 31;
+  const int warp_in_cta = int(threadIdx.x) >> 5;
+  const int64_t warp = int64_t(blockIdx.x) * (blockDim.x >> 5) + warp_in_cta;
+  if (warp >= p.n_warps) return;  // whole warps only; no block barrier below
 
   const int dim = p.index_dim;
-  const int q_elems = p.n_heads * dim;
-  const uint16_t* q_row = p.index_q + row * q_elems;
-  for (int i = tid; i < q_elems; i += kThreads) q_s[i] = half_bits_to_float(q_row[i]);
+  const int n_vecs = dim / 8;
+  // Per warp: the ring [kStages][64 rows][4 vectors], then the query [n_vecs][kHeads][8] fp32.
+  unsigned char* warp_smem =
+      scores_smem + size_t(warp_in_cta) * (kStages * kStageBytes + size_t(kHeads) * dim * 4);
+  uint4* ring = reinterpret_cast<uint4*>(warp_smem);
+  float* q_s = reinterpret_cast<float*>(warp_smem + kStages * kStageBytes);
 
-  const int64_t c = group_base + tid;
-  const uint4* src = nullptr;
-  if (c < visible) {
-    const int64_t logical = c * p.ratio / p.block_size;
-    if (logical < p.max_blocks_per_seq) {
-      const int64_t block = p.block_table[int64_t(seq) * p.max_blocks_per_seq + logical];
-      if (block >= 0 && block < p.n_blocks) {
-        src = reinterpret_cast<const uint4*>(
-            p.compressed + (block * p.rows_per_block + c % p.rows_per_block) * dim);
+  Producer producer;
+  producer.tile = warp * p.tiles_per_warp;
+  producer.tile_end = min(producer.tile + p.tiles_per_warp, p.n_tiles);
+  producer.row = int32_t(producer.tile / p.tiles_per_row);
+  producer.tile_in_row = uint32_t(producer.tile - int64_t(producer.row) * p.tiles_per_row);
+  TileQueue queue;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    producer.produce(p, lane, n_vecs, ring + s * kStageVecs, queue);
+  }
+
+  // Lane's rows in a stage: groups lane and lane + 32, vectors swizzled by (row / 2) % 4.
+  const int swizzle = (lane >> 1) & 3;
+  // A row's query goes through registers (lane j < n_vecs holds vector j of every head) into
+  // shared memory as [index_dim / 8][n_heads][8] fp32. The first tile's query is fetched here,
+  // while its rows' copies are in flight; a later row's is requested before the copies of the
+  // iteration that starts it and stored after them.
+  auto load_q = [&](int32_t row, uint4 (&raw)[kHeads]) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.index_q + int64_t(row) * kHeads * dim);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      raw[h] = lane < n_vecs ? __ldg(src + h * n_vecs + lane) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  auto store_q = [&](const uint4 (&raw)[kHeads]) {
+    if (lane < n_vecs) {
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        float q8[8];
+        widen8(raw[h], q8);
+        float4* dst = reinterpret_cast<float4*>(q_s + (lane * kHeads + h) * 8);
+        dst[0] = make_float4(q8[0], q8[1], q8[2], q8[3]);
+        dst[1] = make_float4(q8[4], q8[5], q8[6], q8[7]);
       }
     }
+  };
+  int32_t q_row = -1;  // row whose query is in q_s
+  if (queue.size > 0) {
+    uint4 raw[kHeads];
+    load_q(queue.row[0], raw);
+    store_q(raw);  // made visible by the loop's first barrier
+    q_row = queue.row[0];
   }
-  row_ptr[tid] = src;
-  __syncthreads();
 
-  float dot[kMaxHeads];
+  int32_t cur_row = 0;
+  uint32_t cur_tile = 0;
+  int32_t cur_valid = 0;
+  int chunk = 0;
+  int stage = 0;
+  float acc_a[kHeads];
+  float acc_b[kHeads];
 #pragma unroll
-  for (int h = 0; h < kMaxHeads; ++h) dot[h] = 0.0f;
+  for (int h = 0; h < kHeads; ++h) acc_a[h] = acc_b[h] = 0.0f;
 
-  for (int d0 = 0; d0 < dim; d0 += kChunkDims) {
-    const int vecs = (dim - d0) / 8 < kChunkVecs ? (dim - d0) / 8 : kChunkVecs;
-    // Coalesced staging: 8 consecutive threads read one row's 128-byte segment.
-#pragma unroll
-    for (int it = 0; it < kChunkVecs; ++it) {
-      const int j = it * kThreads + tid;
-      const int g = j / kChunkVecs;
-      const int v = j % kChunkVecs;
-      const uint4* from = row_ptr[g];
-      uint4 value = make_uint4(0u, 0u, 0u, 0u);
-      if (from != nullptr && v < vecs) value = __ldg(from + d0 / 8 + v);
-      tile[g][v] = value;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int v = 0; v < kChunkVecs; ++v) {
-      if (v < vecs) {
-        const uint4 raw = tile[tid][v];
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-        float k[8];
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          k[2 * w] = half_bits_to_float(words[w] & 0xFFFFu);
-          k[2 * w + 1] = half_bits_to_float(words[w] >> 16);
-        }
-        const int d = d0 + 8 * v;
-#pragma unroll
-        for (int h = 0; h < kMaxHeads; ++h) {
-          if (h < p.n_heads) {  // uniform branch
-            const float4* qh = reinterpret_cast<const float4*>(q_s + h * dim + d);
-            const float4 qa = qh[0];
-            const float4 qb = qh[1];
-            const float q8[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-            float acc = dot[h];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc = __fadd_rn(acc, __fmul_rn(q8[e], k[e]));
-            dot[h] = acc;
-          }
-        }
+  for (;;) {
+    // Stage `stage` has landed (at most kStages - 2 younger groups pending); the stage refilled
+    // below was read in the previous iteration, which every lane finished before this barrier.
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    bool new_q = false;
+    uint4 q_raw[kHeads];
+    if (chunk == 0) {
+      if (queue.size == 0) break;  // the producer found no further tile: the range is done
+      queue.pop(cur_row, cur_tile, cur_valid);
+      if (cur_row != q_row) {
+        new_q = true;
+        load_q(cur_row, q_raw);
       }
     }
-    __syncthreads();  // the tile is overwritten by the next chunk
-  }
-
-  if (c < visible) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int h = 0; h < kMaxHeads; ++h) {
-      if (h < p.n_heads) sum = __fadd_rn(sum, fmaxf(dot[h], 0.0f));
+    const int refill = stage == 0 ? kStages - 1 : stage - 1;
+    producer.produce(p, lane, n_vecs, ring + refill * kStageVecs, queue);
+    if (new_q) {
+      // The previous row's query was last read before the barrier above.
+      store_q(q_raw);
+      q_row = cur_row;
+      __syncwarp();
     }
-    p.scores[row * p.max_groups + c] = src != nullptr ? __fdiv_rn(sum, p.sqrt_index_dim) : 0.0f;
+
+    const uint4* rows_a = ring + stage * kStageVecs + lane * kChunkVecs;
+    const uint4* rows_b = rows_a + 32 * kChunkVecs;
+    const float* q_chunk = q_s + chunk * kChunkVecs * kHeads * 8;
+    const int chunk_vecs = min(kChunkVecs, n_vecs - chunk * kChunkVecs);
+    if (chunk_vecs == kChunkVecs) {
+#pragma unroll
+      for (int v = 0; v < kChunkVecs; ++v) {
+        accumulate8<kHeads>(rows_a[v ^ swizzle], rows_b[v ^ swizzle], q_chunk + v * kHeads * 8,
+                            acc_a, acc_b);
+      }
+    } else {
+#pragma unroll 1
+      for (int v = 0; v < chunk_vecs; ++v) {
+        accumulate8<kHeads>(rows_a[v ^ swizzle], rows_b[v ^ swizzle], q_chunk + v * kHeads * 8,
+                            acc_a, acc_b);
+      }
+    }
+
+    if (++chunk * kChunkVecs >= n_vecs) {
+      float* out = p.scores + int64_t(cur_row) * p.max_groups + int64_t(cur_tile) * kTileGroups;
+      if (lane < cur_valid) out[lane] = finish_score<kHeads>(acc_a, p.sqrt_index_dim);
+      if (lane + 32 < cur_valid) out[lane + 32] = finish_score<kHeads>(acc_b, p.sqrt_index_dim);
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) acc_a[h] = acc_b[h] = 0.0f;
+      chunk = 0;
+    }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
   }
+  cp_async_wait<0>();
+}
+
+using ScoresKernel = void (*)(ScoresKernelParams);
+
+ScoresKernel scores_kernel(int64_t n_heads) {
+  switch (n_heads) {
+    case 1: return qsa_index_scores_kernel<1>;
+    case 2: return qsa_index_scores_kernel<2>;
+    case 3: return qsa_index_scores_kernel<3>;
+    case 4: return qsa_index_scores_kernel<4>;
+    case 5: return qsa_index_scores_kernel<5>;
+    case 6: return qsa_index_scores_kernel<6>;
+    case 7: return qsa_index_scores_kernel<7>;
+    default: return qsa_index_scores_kernel<8>;
+  }
+}
+
+size_t warp_smem_bytes(int64_t n_heads, int64_t index_dim) {
+  return size_t(kStages) * kStageBytes + size_t(n_heads * index_dim) * sizeof(float);
+}
+
+struct LaunchShape {
+  int warps_per_cta = 1;
+  int64_t resident_warps = 1;  // warps of this shape the device holds at once
+};
+
+// Warps per CTA and resident warps for (current device, n_heads, index_dim), memoised. The
+// kernel's dynamic shared-memory limit is raised once per device to what its largest index_dim
+// needs (capped by the device), and the CTA shrinks from 4 warps until it fits under that limit.
+LaunchShape launch_shape(int64_t n_heads, int64_t index_dim) {
+  struct Entry {
+    int device;
+    int64_t n_heads;
+    int64_t index_dim;
+    LaunchShape shape;
+  };
+  static std::mutex mutex;
+  static std::vector<Entry> cache;
+  static std::vector<std::pair<int, int64_t>> raised;  // (device, n_heads)
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const Entry& e : cache) {
+    if (e.device == device && e.n_heads == n_heads && e.index_dim == index_dim) return e.shape;
+  }
+  const ScoresKernel kernel = scores_kernel(n_heads);
+  int optin = 0;
+  E4KV_CUDA_CHECK(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t limit =
+      std::min(size_t(optin), kMaxWarpsPerCta * warp_smem_bytes(n_heads, kMaxDim));
+  if (std::find(raised.begin(), raised.end(), std::pair{device, n_heads}) == raised.end()) {
+    E4KV_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+    raised.emplace_back(device, n_heads);
+  }
+  LaunchShape shape;
+  const size_t per_warp = warp_smem_bytes(n_heads, index_dim);
+  shape.warps_per_cta = kMaxWarpsPerCta;
+  while (shape.warps_per_cta > 1 && shape.warps_per_cta * per_warp > limit) {
+    shape.warps_per_cta /= 2;
+  }
+  int per_sm = 0;
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, kernel, shape.warps_per_cta * 32, shape.warps_per_cta * per_warp));
+  int n_sms = 0;
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  shape.resident_warps = int64_t(std::max(per_sm, 1)) * std::max(n_sms, 1) * shape.warps_per_cta;
+  cache.push_back(Entry{device, n_heads, index_dim, shape});
+  return shape;
 }
 
 }  // namespace
@@ -178,8 +516,13 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   if (args.rows.n_rows < 0 || args.rows.n_rows > 65535) {
     return Status::error(cat("qsa_index_scores: n_rows ", args.rows.n_rows, " outside [0, 65535]"));
   }
-  if (args.max_groups < 0 || args.max_groups > (int64_t(1) << 31) - kThreads) {
+  if (args.max_groups < 0 || args.max_groups > kMaxGroupsLimit) {
     return Status::error(cat("qsa_index_scores: max_groups ", args.max_groups, " out of range"));
+  }
+  // Compressed rows are addressed by a 32-bit row index.
+  if (cv.n_blocks > (int64_t(1) << 31) / cv.rows_per_block()) {
+    return Status::error(cat("qsa_index_scores: indexer cache of ", cv.n_blocks, " blocks x ",
+                             cv.rows_per_block(), " rows is too large (fewer than 2^31 rows)"));
   }
   if (args.rows.n_rows == 0 || args.max_groups == 0) return ok_status();
   if (cv.data == nullptr || args.block_table.blocks == nullptr || args.rows.row_seq == nullptr ||
@@ -187,10 +530,15 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
       args.scores == nullptr) {
     return Status::error("qsa_index_scores: a required device pointer is null");
   }
+  if (reinterpret_cast<uintptr_t>(cv.data) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(args.index_q) % 16 != 0) {
+    return Status::error(
+        "qsa_index_scores: the indexer cache and index_q must be 16-byte aligned (read as "
+        "16-byte vectors)");
+  }
   ScoresKernelParams kp{};
   kp.compressed = cv.data;
   kp.n_blocks = cv.n_blocks;
-  kp.block_size = int32_t(cv.block_size);
   kp.rows_per_block = int32_t(cv.rows_per_block());
   kp.ratio = int32_t(cv.ratio);
   kp.index_dim = int32_t(cv.index_dim);
@@ -200,14 +548,23 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   kp.row_pos = args.rows.row_pos;
   kp.seq_lens = args.rows.seq_lens;
   kp.index_q = args.index_q;
-  kp.n_heads = int32_t(args.n_index_heads);
   kp.max_groups = args.max_groups;
   kp.skip_visible_at_most = args.skip_visible_at_most;
   kp.sqrt_index_dim = std::sqrt(float(cv.index_dim));
   kp.scores = args.scores;
-  const dim3 grid(unsigned((args.max_groups + kThreads - 1) / kThreads),
-                  unsigned(args.rows.n_rows));
-  qsa_index_scores_kernel<<<grid, kThreads, 0, stream>>>(kp);
+  kp.tiles_per_row = (args.max_groups + kTileGroups - 1) / kTileGroups;
+  kp.n_tiles = args.rows.n_rows * kp.tiles_per_row;
+
+  // Equal contiguous ranges, no more warps than are resident: ceil(n_tiles / resident) tiles per
+  // warp, then as few warps as that needs (so every warp but the last has a full range).
+  const LaunchShape shape = launch_shape(args.n_index_heads, cv.index_dim);
+  kp.tiles_per_warp = (kp.n_tiles + shape.resident_warps - 1) / shape.resident_warps;
+  kp.n_warps = (kp.n_tiles + kp.tiles_per_warp - 1) / kp.tiles_per_warp;
+  const int64_t n_ctas = (kp.n_warps + shape.warps_per_cta - 1) / shape.warps_per_cta;
+  const size_t smem =
+      size_t(shape.warps_per_cta) * warp_smem_bytes(args.n_index_heads, cv.index_dim);
+  scores_kernel(args.n_index_heads)<<<unsigned(n_ctas), unsigned(shape.warps_per_cta * 32), smem,
+                                      stream>>>(kp);
   E4KV_CUDA_CHECK_LAUNCH();
   return ok_status();
 }
