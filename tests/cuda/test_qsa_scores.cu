@@ -101,9 +101,9 @@ void run_scores_case(const ScoresCase& cs) {
   };
   for (int64_t s = 0; s < n_seqs; ++s) {
     const int64_t len = seq_lens[size_t(s)];
-    for (int64_t pos : {len - 1, len - 2, len / 2, len / 3 + 1, int64_t(0), int64_t(2),
-                        int64_t(3), int64_t(4 * 64 - 1), int64_t(4 * 64 + 3), int64_t(4 * 65 - 1),
-                        int64_t(4 * 127 + 1)}) {
+    for (int64_t pos :
+         {len - 1, len - 2, len / 2, len / 3 + 1, int64_t(0), int64_t(2), int64_t(3),
+          int64_t(4 * 64 - 1), int64_t(4 * 64 + 3), int64_t(4 * 65 - 1), int64_t(4 * 127 + 1)}) {
       add(s, pos);
     }
   }
@@ -205,8 +205,8 @@ void run_scores_case(const ScoresCase& cs) {
       std::memcpy(&got, &scores[i], 4);
       if (!written[i]) {
         if (got != kPoisonBits && ++touched <= 5) {
-          ADD_FAILURE() << name << ": row " << r << " (visible " << visible[size_t(r)]
-                        << ") group " << c << " written past the row's scored groups";
+          ADD_FAILURE() << name << ": row " << r << " (visible " << visible[size_t(r)] << ") group "
+                        << c << " written past the row's scored groups";
         }
         continue;
       }
@@ -215,9 +215,9 @@ void run_scores_case(const ScoresCase& cs) {
       std::memcpy(&want, &expected[i], 4);
       if (got != want && ++bad <= 5) {
         ADD_FAILURE() << name << ": row " << r << " (seq " << row_seq[size_t(r)] << ", visible "
-                      << visible[size_t(r)] << ") group " << c << ": gpu " << scores[i]
-                      << " (0x" << std::hex << got << ") cpu " << expected[i] << " (0x" << want
-                      << std::dec << ")";
+                      << visible[size_t(r)] << ") group " << c << ": gpu " << scores[i] << " (0x"
+                      << std::hex << got << ") cpu " << expected[i] << " (0x" << want << std::dec
+                      << ")";
       }
     }
   }
