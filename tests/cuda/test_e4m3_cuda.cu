@@ -1,6 +1,7 @@
 // The E4M3 codec on the GPU: the software decoder, the native decoder (sm_89+) and the host codec
-// agree on every code; the device build of e4m3.h encodes like the host build; on sm_89+ the
-// hardware's own cvt.rn.satfinite.e4m3x2.f32 agrees with our rounding on all 2^32 fp32 inputs.
+// agree on every code and (pair decoder) on every pair of codes at every byte position; the device
+// build of e4m3.h encodes like the host build; on sm_89+ the hardware's own
+// cvt.rn.satfinite.e4m3x2.f32 agrees with our rounding on all 2^32 fp32 inputs.
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
@@ -77,6 +78,66 @@ TEST(E4m3Cuda, SoftwareDecoderExactOnEveryFiniteCode) {
     ++checked;
   }
   EXPECT_EQ(checked, 254);
+}
+
+// decode_pair<kByte>(x, y) -> {code kByte of x, code kByte of y}: one thread per (x code, y code)
+// pair, the other bytes of x and y filled with codes that differ from the chosen one.
+template <E4m3Decode kMode, int kByte>
+__global__ void decode_pairs_kernel(uint32_t* out) {  // [65536] fp16x2 words
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t cx = i & 0xFFu;
+  const uint32_t cy = i >> 8;
+  uint32_t x = 0x5A3C97E1u ^ (i * 0x9E3779B9u);  // filler bytes
+  uint32_t y = 0xC3A5F00Fu ^ (i * 0x85EBCA6Bu);
+  x = (x & ~(0xFFu << (8 * kByte))) | cx << (8 * kByte);
+  y = (y & ~(0xFFu << (8 * kByte))) | cy << (8 * kByte);
+  out[i] = E4m3Decoder<kMode>::template decode_pair<kByte>(x, y);
+}
+
+template <E4m3Decode kMode, int kByte>
+void expect_pairs_exact() {
+  uint32_t* d_out = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_out, 65536 * sizeof(uint32_t)));
+  E4KV_CUDA_CHECK(cudaMemset(d_out, 0xA5, 65536 * sizeof(uint32_t)));  // poison
+  decode_pairs_kernel<kMode, kByte><<<256, 256>>>(d_out);
+  E4KV_CUDA_CHECK_LAUNCH();
+  std::vector<uint32_t> out(65536);
+  E4KV_CUDA_CHECK(
+      cudaMemcpy(out.data(), d_out, out.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  E4KV_CUDA_CHECK(cudaFree(d_out));
+  int wrong = 0;
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const uint8_t codes[2] = {uint8_t(i & 0xFFu), uint8_t(i >> 8)};
+    for (int half = 0; half < 2; ++half) {
+      if (e4m3_is_nan(codes[half])) continue;
+      const float expected = e4m3_decode(codes[half]);
+      const float got =
+          half_bits_to_float(uint16_t(out[i] >> (16 * half))) * E4m3Decoder<kMode>::kValueFactor;
+      if ((got != expected || std::signbit(got) != std::signbit(expected)) && ++wrong <= 10) {
+        ADD_FAILURE() << "byte " << kByte << " half " << half << " code 0x" << std::hex
+                      << int(codes[half]) << ": got " << got << ", expected " << expected;
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "byte " << kByte;
+}
+
+TEST(E4m3Cuda, SoftwarePairDecoderExactOnEveryCodePair) {
+  E4KV_REQUIRE_GPU();
+  expect_pairs_exact<E4m3Decode::kSoftware, 0>();
+  expect_pairs_exact<E4m3Decode::kSoftware, 1>();
+  expect_pairs_exact<E4m3Decode::kSoftware, 2>();
+  expect_pairs_exact<E4m3Decode::kSoftware, 3>();
+}
+
+TEST(E4m3Cuda, NativePairDecoderExactOnEveryCodePair) {
+  E4KV_REQUIRE_GPU();
+  if (!e4m3_native_available(0)) GTEST_SKIP() << "no native E4M3 conversion on this device/build";
+  if (!kernel_has_native_code()) GTEST_SKIP() << "binary has no sm_89+ code for this device";
+  expect_pairs_exact<E4m3Decode::kNative, 0>();
+  expect_pairs_exact<E4m3Decode::kNative, 1>();
+  expect_pairs_exact<E4m3Decode::kNative, 2>();
+  expect_pairs_exact<E4m3Decode::kNative, 3>();
 }
 
 TEST(E4m3Cuda, NativeDecoderMatchesHostAndSoftware) {

@@ -3,13 +3,15 @@
 // Four codes arrive in one 32-bit word (code i in byte i) and leave as two FP16x2 words:
 // lo = {code0, code1}, hi = {code2, code3} (first element in the low half).
 //
-// Software path (any GPU, sm_70+ instructions only): each byte is spread into the high byte of a
-// 16-bit lane with one byte permute, then the 7 exponent/mantissa bits move down by one so the
-// 4-bit E4M3 exponent sits in the low 4 bits of the 5-bit FP16 exponent, and the sign stays on top.
-// The FP16 pattern then holds value * 2^-8 exactly for every finite code (normal and subnormal: the
-// bias difference 15 - 7 = 8 is the same for both). Kernels fold kValueFactor = 2^8 into k_scale
-// and v_scale instead of touching every element. NaN codes decode to finite garbage (the write path
-// never stores NaN; DESIGN.md section 2).
+// Software path (any GPU, sm_70+ instructions only), three instructions per pair of codes: one
+// byte permute puts each code in the low byte of a 16-bit lane and its sign, replicated (prmt's
+// sign mode), in the high byte; a shift left by 7 moves the 7 exponent/mantissa bits to FP16 bits
+// 13..7 (the 4-bit E4M3 exponent in the low 4 bits of the 5-bit FP16 exponent) and a replicated
+// sign bit to bit 15; one mask clears bit 14 (where the code's own sign bit lands), bits 6..0 and
+// what the shift carried into the upper lane. The FP16 pattern then holds value * 2^-8 exactly for
+// every finite code (normal and subnormal: the bias difference 15 - 7 = 8 is the same for both).
+// Kernels fold kValueFactor = 2^8 into k_scale and v_scale instead of touching every element. NaN
+// codes decode to finite garbage (the write path never stores NaN; DESIGN.md section 2).
 //
 // Native path (sm_89+): cvt.rn.f16x2.e4m3x2 gives the value itself (kValueFactor = 1).
 //
@@ -33,24 +35,32 @@ struct E4m3Decoder<E4m3Decode::kSoftware> {
   static constexpr float kValueFactor = 256.0f;
 
   __device__ __forceinline__ static void decode4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
-    const uint32_t a = __byte_perm(codes, 0u, 0x1404u);  // code1 << 24 | code0 << 8
-    const uint32_t b = __byte_perm(codes, 0u, 0x3424u);  // code3 << 24 | code2 << 8
-    lo = spread_to_f16(a);
-    hi = spread_to_f16(b);
+    lo = to_f16(sign_spread(codes, 0u, 0x9180u));  // lanes {code0, code1}
+    hi = to_f16(sign_spread(codes, 0u, 0xB3A2u));  // lanes {code2, code3}
   }
 
   // {code kByte of x, code kByte of y} as one FP16x2 word (first element in the low half): the
   // operand pairs of P*V, whose two elements come from two tokens.
   template <int kByte>
   __device__ __forceinline__ static uint32_t decode_pair(uint32_t x, uint32_t y) {
-    // High byte of lane 0 <- x.kByte, of lane 1 <- y.kByte; the low bytes are shifted out below.
-    return spread_to_f16(__byte_perm(x, y, uint32_t((4 + kByte) << 12 | kByte << 4)));
+    constexpr uint32_t kSelector =
+        uint32_t(kByte | (8 | kByte) << 4 | (4 + kByte) << 8 | (8 | (4 + kByte)) << 12);
+    return to_f16(sign_spread(x, y, kSelector));
   }
 
  private:
-  // Two 16-bit lanes holding a code in their high byte -> FP16 patterns of value * 2^-8.
-  __device__ __forceinline__ static uint32_t spread_to_f16(uint32_t lanes) {
-    return (lanes & 0x80008000u) | ((lanes >> 1) & 0x3F803F80u);
+  // prmt.b32 in its generic mode: a selector nibble with bit 3 set replicates the sign bit of the
+  // chosen byte (of the 8 bytes of {y, x}) over its output byte.
+  __device__ __forceinline__ static uint32_t sign_spread(uint32_t x, uint32_t y,
+                                                         uint32_t selector) {
+    uint32_t out;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(x), "r"(y), "r"(selector));
+    return out;
+  }
+
+  // Two 16-bit lanes {code, sign replicated} -> FP16 patterns of value * 2^-8.
+  __device__ __forceinline__ static uint32_t to_f16(uint32_t lanes) {
+    return (lanes << 7) & 0xBF80BF80u;
   }
 };
 
