@@ -25,11 +25,15 @@
 // k = 512), emitting candidate groups, which are already in increasing group order.
 //
 // The filtered method (the default up to 131072 groups, described before its kernel below) needs
-// no workspace and reads little more than the row's largest scores: 22.7 us against 28.6 us for
-// the two phases at 32K groups on the H200 (2026-12-01; 21.8 us given the run maxima). Its time is
-// the latency of one CTA's steps (clock64 per step, in cycles: bound L 13-15K, candidates 12K,
-// select of T 8K, bitmaps 2K, emission 2.5K); per-warp histograms changed nothing, replacing
-// __match_any_sync by ballots saved 15%. Next: spread a row over several CTAs.
+// no workspace and reads little more than the row's largest scores: 18.3-19.0 us against 28.6 us
+// for the two phases at 32K groups on the H200 (2026-12-01; 17.0 us given the run maxima). One
+// CTA of 1024 threads is issue-bound: 32 warps share 4 schedulers, so every instruction a thread
+// executes costs the SM 8 cycles (ncu: 2.4K instructions per warp, half the kernel's cycles
+// issuing), and the steps were made short in instructions rather than in barriers: a bound from
+// per-warp ballots instead of a block-wide radix select (11K -> 6K cycles), candidates gathered
+// in one visit, kernel instances sized to the row (16 run slots per thread held 4x the code the
+// 32K-group rows need; ncu showed the slot loops as the hottest code). Next: spread a row over
+// several CTAs, which divides the issue work.
 // Limits: visible groups and selection width < 2^31. Static shared memory: about 1.2 KB (the
 // filtered kernel: 48 KB dynamic, opted in). Instructions: __match_any_sync (sm_70+).
 #include "backend/cuda/qsa_topk.cuh"
@@ -69,7 +73,7 @@ struct TopKKernelParams {
   int32_t n_cand;
 };
 
-constexpr int kChunk = 4096;        // groups per CTA in the chunk phase
+constexpr int kChunk = 4096;  // groups per CTA in the chunk phase
 constexpr int kChunkThreads = 256;
 
 struct ChunkKernelParams {
@@ -361,20 +365,20 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-
 // ---- Filtered method --------------------------------------------------------------------------
 // One CTA of 1024 threads per row. The row's groups fall into runs of kRun consecutive groups
 // (run j = groups kRun*j .. kRun*j + kRun - 1); thread t owns runs t, t + 1024, ...
 //  1. The maximum of every run: read from `run_maxima` when the score kernel wrote them, else
-//     computed here by reading the row. L = the k-th largest run maximum (its top 16 bits: a
-//     radix select stopped after two digits, which only lowers L) is a lower bound of the row's
-//     k-th largest score T: k runs have a maximum >= L, so k distinct groups score >= L.
-//  2. Candidates: the groups scoring >= L, read only from the runs whose maximum is >= L. Fewer
-//     than k runs have a maximum > L, so without ties at L there are at most kRun * k candidates
-//     (4096 at k = 512), and about 2% of a row of random scores. They go to shared memory
-//     (key, group), and T with the number of ties to take comes from a radix select over them.
-//     Heavy ties can overflow kFilterCandidates: then the select, and step 3, stream the whole
-//     row from global memory instead (same result, slower).
+//     computed here by reading the row. Each warp finds the q-th largest of its runs' maxima
+//     (q = ceil(k / 32), cut to its leading bits by a bitwise radix over ballots, which only
+//     lowers it); L = the smallest of the 32 is a lower bound of the row's k-th largest score T:
+//     every warp has q runs with a maximum >= L, so 32q >= k distinct groups score >= L. L is
+//     looser than the exact k-th largest maximum (more runs open), but costs no block-wide select.
+//  2. Candidates: the groups scoring >= L, read only from the runs whose maximum is >= L, go to
+//     shared memory (key, group) in one visit, each warp taking its slots with one atomic (order
+//     does not matter below). T and the number of ties to take come from a radix select over
+//     them. Heavy ties or a loose L can overflow kFilterCandidates: then the select, and step 3,
+//     stream the whole row from global memory instead (same result, slower).
 //  3. Two bitmaps over the row's groups (score > T, score == T), set from the candidates; one
 //     block scan of their popcounts gives each thread the rank of its first selected group, and
 //     each thread writes its groups' tokens in increasing group order, ties at T taken from the
@@ -382,10 +386,12 @@ __global__ void __launch_bounds__(kChunkThreads)
 constexpr int kFilterThreads = 1024;
 constexpr int kFilterWarps = kFilterThreads / 32;
 constexpr int kRun = int(kQsaRunGroups);
-constexpr int kFilterMaxWords = 4096;           // per bitmap: 131072 groups
-constexpr int kRunsPerThread = kFilterMaxWords * 32 / kRun / kFilterThreads;  // 16
+constexpr int kFilterMaxWords = 4096;  // per bitmap: 131072 groups
 constexpr int kFilterCandidates = 4096;
 constexpr int kFilterUnroll = 8;
+constexpr int kFilterShortRuns = 4;  // run slots per thread: rows up to 32768 groups
+constexpr int kFilterLongRuns = kFilterMaxWords * 32 / kRun / kFilterThreads;  // 131072 groups
+constexpr int kBoundBits = 12;  // leading bits of L (after those every run maximum shares)
 // Dynamic shared memory: candidate groups, then a region that holds the candidate keys during
 // the select and the two bitmaps after it.
 constexpr size_t kFilterSmemBytes =
@@ -406,7 +412,6 @@ struct FilterKernelParams {
   int32_t* sel_tokens;
   int32_t* sel_counts;
 };
-
 
 // Shared state of the block-wide radix select.
 struct SelectShared {
@@ -515,6 +520,51 @@ __device__ __forceinline__ void load_run(const float* scores, int32_t j, int32_t
   }
 }
 
+// The rank-th largest (rank >= 1) of the warp's keys (slots 0 .. n_slots - 1 of every lane; the
+// same n_slots in every lane), cut to its leading bits: a bitwise radix over ballots, from the
+// highest bit where the warp's keys differ, for at most `bits` bits; the lower bits are zero,
+// which only lowers the result. The warp must hold at least `rank` keys.
+template <int kSlots>
+__device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlots], int n_slots,
+                                                     uint32_t rank, int bits) {
+  uint32_t any = 0u;
+  uint32_t all = ~0u;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (s < n_slots) {
+      any |= keys[s];
+      all &= keys[s];
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    any |= __shfl_xor_sync(kFullMask, any, offset);
+    all &= __shfl_xor_sync(kFullMask, all, offset);
+  }
+  const uint32_t differ = any ^ all;
+  if (differ == 0u) return all;  // every key is the same
+  const int top = 31 - __clz(int(differ));
+  uint32_t mask = top == 31 ? 0u : ~0u << (top + 1);
+  uint32_t prefix = all & mask;
+  const int last = top - bits + 1 > 0 ? top - bits + 1 : 0;
+  for (int bit = top; bit >= last; --bit) {
+    const uint32_t probe = prefix | 1u << bit;
+    mask |= 1u << bit;
+    uint32_t count = 0u;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      if (s < n_slots)
+        count += uint32_t(__popc(__ballot_sync(kFullMask, (keys[s] & mask) == probe)));
+    }
+    if (count >= rank) {
+      prefix = probe;
+    } else {
+      rank -= count;
+    }
+  }
+  return prefix;
+}
+
 // Exclusive block-wide scan of two counters at once (totals < 2^32 each).
 __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
                                                       uint2* warp_totals) {
@@ -535,8 +585,13 @@ __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
   b = ib - b + warp_totals[warp].y;
 }
 
+// kRunsPerThread: the most runs a thread owns (rows up to kFilterThreads * kRunsPerThread * kRun
+// groups). The kernel is issue-bound (32 warps share 4 schedulers, so each instruction of a
+// thread costs 8 cycles), so short rows take an instance with fewer run slots to skip.
+template <int kRunsPerThread>
 __global__ void __launch_bounds__(kFilterThreads)
     qsa_top_k_filtered_kernel(const __grid_constant__ FilterKernelParams p) {
+  static_assert(kFilterThreads * kRunsPerThread * kRun <= kFilterMaxWords * 32);
   static_assert(kFilterThreads >= kBins);
   extern __shared__ __align__(16) uint32_t filter_smem[];
   int32_t* cand_groups = reinterpret_cast<int32_t*>(filter_smem);
@@ -546,6 +601,7 @@ __global__ void __launch_bounds__(kFilterThreads)
   __shared__ SelectShared sel;
   __shared__ uint2 warp_totals[kFilterWarps];
   __shared__ uint32_t n_cand_s;
+  __shared__ uint32_t warp_bound[kFilterWarps];
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -568,6 +624,7 @@ __global__ void __launch_bounds__(kFilterThreads)
     for (int32_t j = tid; j < n_groups * ratio; j += kFilterThreads) out[j] = j;
   } else {
     n_groups = p.k;
+    if (tid == 0) n_cand_s = 0u;
     const int32_t n_runs = (visible + kRun - 1) / kRun;
     const bool aligned = (reinterpret_cast<uintptr_t>(scores) & 15u) == 0u;  // uniform
 
@@ -594,24 +651,29 @@ __global__ void __launch_bounds__(kFilterThreads)
         run_max[u] = m;
       }
     }
-    uint32_t floor_key = 0u;  // every key is >= 0
-    if (n_runs >= p.k) {
-      uint32_t unused;
-      block_radix_select(
-          [&](auto&& f) {
+    // L = the smallest of the warps' q-th largest run maxima (q = ceil(k / warps)): every warp
+    // holds q maxima >= L, so the block holds >= k and L <= T. No block-wide select: one warp's
+    // ballots and one block minimum.
+    // With fewer runs than k, L = 0 (every key is >= 0).
+    const uint32_t warp_q =
+        n_runs < p.k ? 0u
+                     : warp_rank_prefix<kRunsPerThread>(
+                           run_max, (n_runs + kFilterThreads - 1) / kFilterThreads,
+                           uint32_t((p.k + kFilterWarps - 1) / kFilterWarps), kBoundBits);
+    if (lane == 0) warp_bound[warp] = warp_q;
+    __syncthreads();  // also orders n_cand_s = 0 before step 2
+    uint32_t floor_key = lane < kFilterWarps ? warp_bound[lane] : ~0u;
 #pragma unroll
-            for (int u = 0; u < kRunsPerThread; ++u) {
-              if (u * kFilterThreads < n_runs) f(run_max[u], true);  // uniform
-            }
-          },
-          uint32_t(p.k), 16, sel, floor_key, unused);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const uint32_t other = __shfl_xor_sync(kFullMask, floor_key, offset);
+      floor_key = other < floor_key ? other : floor_key;
     }
 
-    // 2. Candidates: each thread counts the keys >= L in its open runs, one block scan of the
-    //    counts gives the slots, and a second visit (L1 hits) writes them. The count goes on past
-    //    the capacity.
-    auto for_each_candidate = [&](auto&& f) {  // f(key, group), in this thread's run order
-      constexpr int kBatch = 2;                // runs whose loads are in flight together
+    // 2. Candidates: the keys >= L of the open runs go to shared memory in one visit, slots taken
+    //    by one atomic per warp and batch (the order does not matter: the select counts and the
+    //    bitmaps place). The count goes on past the capacity.
+    {
+      constexpr int kBatch = 4;  // runs whose loads are in flight together
 #pragma unroll
       for (int u0 = 0; u0 < kRunsPerThread; u0 += kBatch) {
         if (u0 * kFilterThreads >= n_runs) break;  // uniform
@@ -626,31 +688,34 @@ __global__ void __launch_bounds__(kFilterThreads)
             for (int i = 0; i < kRun; ++i) keys[du][i] = 0u;
           }
         }
+        uint32_t n_take = 0u;
 #pragma unroll
         for (int du = 0; du < kBatch; ++du) {
 #pragma unroll
           for (int i = 0; i < kRun; ++i) {
             // Key 0 is no score's key: it marks loads that were not made.
+            n_take += keys[du][i] != 0u && keys[du][i] >= floor_key ? 1u : 0u;
+          }
+        }
+        const uint32_t inclusive = warp_inclusive_scan(n_take, lane);
+        uint32_t base = 0u;
+        if (lane == 31 && inclusive > 0u) base = atomicAdd(&n_cand_s, inclusive);
+        uint32_t slot = __shfl_sync(kFullMask, base, 31) + inclusive - n_take;
+#pragma unroll
+        for (int du = 0; du < kBatch; ++du) {
+#pragma unroll
+          for (int i = 0; i < kRun; ++i) {
             if (keys[du][i] != 0u && keys[du][i] >= floor_key) {
-              f(keys[du][i], ((u0 + du) * kFilterThreads + tid) * kRun + i);
+              if (slot < uint32_t(kFilterCandidates)) {
+                cand_keys[slot] = keys[du][i];
+                cand_groups[slot] = ((u0 + du) * kFilterThreads + tid) * kRun + i;
+              }
+              ++slot;
             }
           }
         }
       }
-    };
-    uint32_t n_take = 0u;
-    for_each_candidate([&](uint32_t, int32_t) { ++n_take; });
-    uint32_t cand_slot = n_take;
-    uint32_t unused = 0u;
-    block_exclusive_scan2(cand_slot, unused, warp_totals);
-    if (tid == kFilterThreads - 1) n_cand_s = cand_slot + n_take;
-    for_each_candidate([&](uint32_t key, int32_t group) {
-      if (cand_slot < uint32_t(kFilterCandidates)) {
-        cand_keys[cand_slot] = key;
-        cand_groups[cand_slot] = group;
-      }
-      ++cand_slot;
-    });
+    }
     __syncthreads();
     const uint32_t n_cand = n_cand_s;
     const bool in_shared = n_cand <= uint32_t(kFilterCandidates);  // uniform
@@ -785,15 +850,19 @@ void allow_filter_shared_memory() {
   static std::vector<int> done;
   const std::lock_guard<std::mutex> lock(mutex);
   if (std::find(done.begin(), done.end(), device) != done.end()) return;
-  E4KV_CUDA_CHECK(cudaFuncSetAttribute(qsa_top_k_filtered_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(kFilterSmemBytes)));
+  for (auto kernel :
+       {qsa_top_k_filtered_kernel<kFilterShortRuns>, qsa_top_k_filtered_kernel<kFilterLongRuns>}) {
+    E4KV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(kFilterSmemBytes)));
+  }
   done.push_back(device);
 }
 
 }  // namespace
 
-int64_t qsa_top_k_filtered_max_groups() { return int64_t(kFilterMaxWords) * 32; }
+int64_t qsa_top_k_filtered_max_groups() {
+  return int64_t(kFilterMaxWords) * 32;
+}
 
 size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
                                  int64_t ratio) {
@@ -856,14 +925,17 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     fp.run_stride = args.run_stride;
     fp.sel_tokens = args.sel_tokens;
     fp.sel_counts = args.sel_counts;
-    qsa_top_k_filtered_kernel<<<unsigned(args.rows.n_rows), kFilterThreads, kFilterSmemBytes,
-                                stream>>>(fp);
+    const auto kernel = args.max_groups <= int64_t(kFilterThreads) * kFilterShortRuns * kRun
+                            ? qsa_top_k_filtered_kernel<kFilterShortRuns>
+                            : qsa_top_k_filtered_kernel<kFilterLongRuns>;
+    kernel<<<unsigned(args.rows.n_rows), kFilterThreads, kFilterSmemBytes, stream>>>(fp);
     E4KV_CUDA_CHECK_LAUNCH();
     return ok_status();
   }
   if (method == QsaTopKMethod::kTwoPhase && args.workspace == nullptr) {
-    return Status::error("qsa_top_k_select: the two-phase method needs a workspace "
-                         "(qsa_top_k_workspace_bytes)");
+    return Status::error(
+        "qsa_top_k_select: the two-phase method needs a workspace "
+        "(qsa_top_k_workspace_bytes)");
   }
   TopKKernelParams kp{};
   kp.row_seq = args.rows.row_seq;
@@ -891,8 +963,8 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     const int64_t n_cand = int64_t(cp.n_chunks) * cp.k;
     cp.cand_keys = static_cast<uint32_t*>(args.workspace);
     cp.cand_groups = reinterpret_cast<int32_t*>(cp.cand_keys + args.rows.n_rows * n_cand);
-    qsa_top_k_chunk_kernel<<<dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)),
-                             kChunkThreads, 0, stream>>>(cp);
+    qsa_top_k_chunk_kernel<<<dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)), kChunkThreads,
+                             0, stream>>>(cp);
     E4KV_CUDA_CHECK_LAUNCH();
     kp.cand_keys = cp.cand_keys;
     kp.cand_groups = cp.cand_groups;
