@@ -19,6 +19,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/qsa_index_scores.cuh"
+#include "backend/cuda/qsa_topk.cuh"
 #include "core/half.h"
 #include "device_buffer.cuh"
 #include "qsa/selection.h"
@@ -190,10 +191,47 @@ void run_scores_case(const ScoresCase& cs) {
   sa.max_groups = max_groups;
   sa.skip_visible_at_most = cs.skip_visible_at_most;
   sa.scores = d_scores.ptr;
+  // Run maxima with a stride wider than needed (entries past the row's runs must stay poisoned).
+  const int64_t run_stride = (max_groups + kQsaRunGroups - 1) / kQsaRunGroups + 3;
+  DeviceBuffer<float> d_maxima(size_t(n_rows * run_stride));
+  std::vector<uint32_t> maxima_poison(size_t(n_rows * run_stride), kPoisonBits);
+  E4KV_CUDA_CHECK(cudaMemcpy(d_maxima.ptr, maxima_poison.data(), maxima_poison.size() * 4,
+                             cudaMemcpyHostToDevice));
+  sa.run_maxima = d_maxima.ptr;
+  sa.run_stride = run_stride;
   const Status st = qsa_index_scores(sa, nullptr);
   ASSERT_TRUE(st.ok()) << name << ": " << st.message();
   E4KV_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> scores = d_scores.to_host();
+  const std::vector<float> maxima = d_maxima.to_host();
+
+  // Run maxima: the largest CPU score of each run that holds a scored group, bit for bit.
+  int64_t bad_maxima = 0;
+  int64_t compared_maxima = 0;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t j = 0; j < run_stride; ++j) {
+      float want = -INFINITY;
+      bool any = false;
+      for (int64_t c = j * kQsaRunGroups; c < (j + 1) * kQsaRunGroups && c < max_groups; ++c) {
+        if (!written[size_t(r * max_groups + c)]) continue;
+        want = any ? std::max(want, expected[size_t(r * max_groups + c)])
+                   : expected[size_t(r * max_groups + c)];
+        any = true;
+      }
+      uint32_t got;
+      std::memcpy(&got, &maxima[size_t(r * run_stride + j)], 4);
+      uint32_t want_bits = kPoisonBits;
+      if (any) std::memcpy(&want_bits, &want, 4);
+      compared_maxima += any ? 1 : 0;
+      if (got != want_bits && ++bad_maxima <= 5) {
+        ADD_FAILURE() << name << ": row " << r << " run " << j << ": gpu bits 0x" << std::hex << got
+                      << ", expected 0x" << want_bits << std::dec
+                      << (any ? "" : " (poison: no scored group in the run)");
+      }
+    }
+  }
+  EXPECT_EQ(bad_maxima, 0) << name << ": " << compared_maxima << " run maxima compared";
+  EXPECT_GT(compared_maxima, 0) << name;
 
   int64_t bad = 0;
   int64_t touched = 0;
@@ -279,6 +317,12 @@ TEST(QsaScoresCuda, RejectsBadShapesAndPointers) {
   sa.compressed.index_dim = 8;
   sa.max_groups = -1;
   EXPECT_FALSE(qsa_index_scores(sa, nullptr).ok());
+  sa.max_groups = 4 * kQsaRunGroups + 1;  // needs 5 run maxima per row
+  sa.run_maxima = out;
+  sa.run_stride = 4;
+  EXPECT_FALSE(qsa_index_scores(sa, nullptr).ok());
+  sa.run_maxima = nullptr;
+  sa.run_stride = 0;
   sa.max_groups = 0;
   EXPECT_TRUE(qsa_index_scores(sa, nullptr).ok());  // nothing to do
 }

@@ -54,11 +54,14 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/qsa_topk.cuh"
 
 namespace e4kv::cuda {
 namespace {
 
-constexpr int kTileGroups = 64;             // groups per warp tile, two per lane
+constexpr int kTileGroups = 64;                 // groups per warp tile, two per lane
+constexpr int kRunGroups = int(kQsaRunGroups);  // groups per run maximum
+static_assert(kTileGroups % kRunGroups == 0 && kRunGroups <= 32);
 constexpr int kChunkVecs = 4;               // 16-byte vectors (8 dims) per row
 constexpr int kChunkDims = 8 * kChunkVecs;  // dims per stage
 // Ring depth. 2 (one stage in flight while one is computed) measured 4-6% faster than 3 on the
@@ -87,8 +90,10 @@ struct ScoresKernelParams {
   const uint16_t* index_q;  // [n_rows, n_heads, index_dim] FP16
   int64_t max_groups;
   int64_t skip_visible_at_most;
-  float sqrt_index_dim;    // sqrtf(float(index_dim)), as the CPU computes it
-  float* scores;           // [n_rows, max_groups]
+  float sqrt_index_dim;  // sqrtf(float(index_dim)), as the CPU computes it
+  float* scores;         // [n_rows, max_groups]
+  float* run_maxima;     // [n_rows, run_stride] or nullptr
+  int64_t run_stride;
   int64_t tiles_per_row;   // ceil(max_groups / kTileGroups)
   int64_t n_tiles;         // n_rows * tiles_per_row (virtual: most rows see fewer groups)
   int64_t tiles_per_warp;  // warp w owns virtual tiles [w * tiles_per_warp, ... + tiles_per_warp)
@@ -416,8 +421,26 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 
     if (++chunk * kChunkVecs >= n_vecs) {
       float* out = p.scores + int64_t(cur_row) * p.max_groups + int64_t(cur_tile) * kTileGroups;
-      if (lane < cur_valid) out[lane] = finish_score<kHeads>(acc_a, p.sqrt_index_dim);
-      if (lane + 32 < cur_valid) out[lane + 32] = finish_score<kHeads>(acc_b, p.sqrt_index_dim);
+      const float score_a = finish_score<kHeads>(acc_a, p.sqrt_index_dim);
+      const float score_b = finish_score<kHeads>(acc_b, p.sqrt_index_dim);
+      if (lane < cur_valid) out[lane] = score_a;
+      if (lane + 32 < cur_valid) out[lane + 32] = score_b;
+      if (p.run_maxima != nullptr) {  // uniform
+        // Runs r < 4 are lanes 8r .. 8r + 7 of score_a, runs r >= 4 the same lanes of score_b.
+        float max_a = lane < cur_valid ? score_a : -INFINITY;
+        float max_b = lane + 32 < cur_valid ? score_b : -INFINITY;
+#pragma unroll
+        for (int offset = 1; offset < kRunGroups; offset <<= 1) {
+          max_a = fmaxf(max_a, __shfl_xor_sync(0xFFFFFFFFu, max_a, offset));
+          max_b = fmaxf(max_b, __shfl_xor_sync(0xFFFFFFFFu, max_b, offset));
+        }
+        if (lane % kRunGroups == 0) {
+          float* maxima = p.run_maxima + int64_t(cur_row) * p.run_stride +
+                          int64_t(cur_tile) * (kTileGroups / kRunGroups) + lane / kRunGroups;
+          if (lane < cur_valid) maxima[0] = max_a;
+          if (lane + 32 < cur_valid) maxima[32 / kRunGroups] = max_b;
+        }
+      }
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) acc_a[h] = acc_b[h] = 0.0f;
       chunk = 0;
@@ -537,6 +560,11 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
       args.scores == nullptr) {
     return Status::error("qsa_index_scores: a required device pointer is null");
   }
+  if (args.run_maxima != nullptr &&
+      args.run_stride < (args.max_groups + kQsaRunGroups - 1) / kQsaRunGroups) {
+    return Status::error(cat("qsa_index_scores: run_stride ", args.run_stride,
+                             " is below ceil(max_groups / ", kQsaRunGroups, ")"));
+  }
   if (reinterpret_cast<uintptr_t>(cv.data) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(args.index_q) % 16 != 0) {
     return Status::error(
@@ -563,6 +591,8 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   kp.skip_visible_at_most = args.skip_visible_at_most;
   kp.sqrt_index_dim = std::sqrt(float(cv.index_dim));
   kp.scores = args.scores;
+  kp.run_maxima = args.run_maxima;
+  kp.run_stride = args.run_stride;
   kp.tiles_per_row = (args.max_groups + kTileGroups - 1) / kTileGroups;
   kp.n_tiles = args.rows.n_rows * kp.tiles_per_row;
 

@@ -28,6 +28,12 @@ struct QsaIndexScoresArgs {
   // that select densely; 0 scores every row).
   int64_t skip_visible_at_most = 0;
   float* scores = nullptr;  // [rows.n_rows, max_groups] fp32; entries >= visible are not written
+  // Optional: the largest score of each run of kQsaRunGroups (qsa_topk.cuh) consecutive groups,
+  // [rows.n_rows, run_stride] with run_stride >= ceil(max_groups / kQsaRunGroups), written for
+  // the runs that hold a scored group (the last run of a row may be shorter), for
+  // qsa_top_k_select's QsaTopKArgs::run_maxima. nullptr: not written.
+  float* run_maxima = nullptr;
+  int64_t run_stride = 0;
 };
 
 // scores[r, c] for c < visible(r) = min((pos + 1) / ratio, seq_len / ratio), per the CPU contract.
