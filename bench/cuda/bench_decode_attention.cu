@@ -1,7 +1,9 @@
 // Decode attention benchmark: e4kv paged decode over FP16 and E4M3 (software and native decode)
 // caches at the issue's shapes, plus the device-to-device copy bandwidth as the ceiling. Prints a
-// table and writes JSON (argv[1], default decode_attention.json). Times: see time_ms; bytes are
-// the K and V bytes the launch must read.
+// table and writes JSON (argv[1], default decode_attention.json). Times: see time_ms (launches
+// from the host, back to back) and graph_us (the same launches replayed from a CUDA graph, so host
+// launch overhead is out); bytes are the K and V bytes the launch must read. With "sweep" as
+// argv[5], each shape also runs other split counts (1/4 to 2.5x) next to the planner's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -41,12 +43,48 @@ struct Shape {
 struct Measurement {
   std::string shape;
   std::string kv;
+  std::string plan;  // "auto" (the planner's) or "split" (a sweep's split count)
   double ms;
+  double graph_ms;
   double bytes;
   double tbs;
   int64_t splits;
   int64_t resident_ctas;
 };
+
+// Median time of one call of `launch(stream)` replayed from a CUDA graph of 20 calls.
+template <class F>
+float graph_ms(F&& launch) {
+  constexpr int kCalls = 20;
+  cudaStream_t stream;
+  E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kCalls; ++i) launch(stream);
+  E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  E4KV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  E4KV_CUDA_CHECK(cudaEventCreate(&start));
+  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 2; ++i) E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> times;
+  for (int i = 0; i < 7; ++i) {
+    E4KV_CUDA_CHECK(cudaEventRecord(start, stream));
+    E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    E4KV_CUDA_CHECK(cudaEventRecord(stop, stream));
+    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / kCalls);
+  }
+  E4KV_CUDA_CHECK(cudaEventDestroy(start));
+  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
+  E4KV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
+  E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
+  return e4kv::bench::median(times);
+}
 
 // "fp16", "e4m3-soft" or "e4m3-native", with "-reg" for the register load path.
 std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
@@ -57,7 +95,8 @@ std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
   return name;
 }
 
-Measurement run(const Shape& s, KvCacheDtype dtype, const DecodeAttentionConfig& config) {
+std::vector<Measurement> run(const Shape& s, KvCacheDtype dtype,
+                             const DecodeAttentionConfig& config, bool sweep) {
   constexpr int kBlock = 64;
   const int64_t blocks_per_seq = (s.ctx + kBlock - 1) / kBlock;
   const int64_t n_blocks = blocks_per_seq * s.batch;
@@ -131,45 +170,68 @@ Measurement run(const Shape& s, KvCacheDtype dtype, const DecodeAttentionConfig&
   if (!resident.ok())
     std::fprintf(stderr, "%s\n", resident.status().message().c_str()), std::exit(1);
   const DecodeAttentionPlan plan = plan_decode_attention(s.batch, s.n_kv_heads, keys, *resident);
+  struct Variant {
+    std::string name;
+    DecodeAttentionPlan plan;
+  };
+  std::vector<Variant> plans{{"auto", plan}};
+  if (sweep) {
+    std::vector<int64_t> done{plan.n_splits};
+    for (double f : {0.25, 0.5, 0.75, 0.94, 1.06, 1.28, 1.5, 2.0, 2.56}) {
+      const int64_t splits = std::max<int64_t>(4, std::llround(double(plan.n_splits) * f / 4) * 4);
+      if (std::find(done.begin(), done.end(), splits) != done.end()) continue;
+      done.push_back(splits);
+      const int64_t kps = ((keys + splits - 1) / splits + 7) / 8 * 8;
+      plans.push_back({"split", DecodeAttentionPlan{kps, splits}});
+    }
+  }
+  int64_t max_splits = 0;
+  for (const Variant& v : plans) max_splits = std::max(max_splits, v.plan.n_splits);
   float* d_ws = nullptr;
   const size_t ws_floats =
-      decode_attention_workspace_floats(s.batch, plan.n_splits, s.n_heads, s.head_dim);
+      decode_attention_workspace_floats(s.batch, max_splits, s.n_heads, s.head_dim);
   E4KV_CUDA_CHECK(cudaMalloc(&d_ws, ws_floats * 4));
   DecodeAttentionWorkspace ws{d_ws,
-                              d_ws + s.batch * plan.n_splits * s.n_heads,
-                              d_ws + 2 * s.batch * plan.n_splits * s.n_heads,
+                              d_ws + s.batch * max_splits * s.n_heads,
+                              d_ws + 2 * s.batch * max_splits * s.n_heads,
                               s.batch,
-                              plan.n_splits,
+                              max_splits,
                               s.n_heads,
                               s.head_dim};
-  int next_copy = 0;
-  const float ms = time_ms([&] {
-    p.cache.data = caches[next_copy];
-    next_copy = (next_copy + 1) % n_copies;
-    const Status st = paged_decode_attention(p, plan, ws, config, nullptr);
-    if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
-  });
   const double bytes =
       double(s.batch) * double(keys) * s.n_kv_heads * s.head_dim * 2.0 * double(geo.elem_bytes());
+  std::vector<Measurement> out;
+  for (const Variant& v : plans) {
+    int next_copy = 0;
+    auto launch = [&](cudaStream_t stream) {
+      p.cache.data = caches[next_copy];
+      next_copy = (next_copy + 1) % n_copies;
+      const Status st = paged_decode_attention(p, v.plan, ws, config, stream);
+      if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
+    };
+    const float ms = time_ms([&] { launch(nullptr); });
+    const float gms = graph_ms(launch);
+    out.push_back(Measurement{s.name, kv_name(dtype, config), v.name, ms, gms, bytes,
+                              bytes / (ms * 1e-3) / 1e12, v.plan.n_splits, *resident});
+  }
   for (uint8_t* cache : caches) E4KV_CUDA_CHECK(cudaFree(cache));
   for (void* ptr : {(void*)d_table, (void*)d_row_seq, (void*)d_row_pos, (void*)d_seq_lens,
                     (void*)d_sel, (void*)d_counts, (void*)d_q, (void*)d_out, (void*)d_ws}) {
     E4KV_CUDA_CHECK(cudaFree(ptr));
   }
-  return Measurement{s.name,   kv_name(dtype, config),     ms,
-                     bytes,    bytes / (ms * 1e-3) / 1e12, plan.n_splits,
-                     *resident};
+  return out;
 }
 
 }  // namespace
 
-// Usage: e4kv_bench_decode_attention [OUT.json [SHAPE_FILTER [KV_FILTER [LOADS]]]] (filters are
-// substrings; LOADS: "best" for the device's load path only, default both).
+// Usage: e4kv_bench_decode_attention [OUT.json [SHAPE_FILTER [KV_FILTER [LOADS [sweep]]]]]
+// (filters are substrings; LOADS: "best" for the device's load path only, default both).
 int main(int argc, char** argv) {
   const char* json_path = argc > 1 ? argv[1] : "decode_attention.json";
   const std::string shape_filter = argc > 2 ? argv[2] : "";
   const std::string kv_filter = argc > 3 ? argv[3] : "";
   const bool best_load_only = argc > 4 && std::string(argv[4]) == "best";
+  const bool sweep = argc > 5 && std::string(argv[5]) == "sweep";
   if (device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -187,8 +249,8 @@ int main(int argc, char** argv) {
       {"qsa_b4_h16_kv2_d256_128k_budget2048", 4, 16, 2, 256, 131072, 2048},
   };
   std::vector<Measurement> results;
-  std::printf("%-38s %-16s %10s %10s %9s %8s %7s %9s\n", "shape", "kv", "time_us", "MB_read",
-              "TB/s", "vs_copy", "splits", "resident");
+  std::printf("%-38s %-16s %-6s %9s %9s %9s %8s %8s %7s %9s\n", "shape", "kv", "plan", "time_us",
+              "graph_us", "MB_read", "TB/s", "vs_copy", "splits", "resident");
   for (const Shape& s : shapes) {
     if (std::string(s.name).find(shape_filter) == std::string::npos) continue;
     // The device's best configuration, and the register load path where that is async (the
@@ -205,11 +267,13 @@ int main(int argc, char** argv) {
     }
     for (const auto& [dtype, config] : kinds) {
       if (kv_name(dtype, config).find(kv_filter) == std::string::npos) continue;
-      const Measurement m = run(s, dtype, config);
-      std::printf("%-38s %-16s %10.1f %10.1f %9.3f %7.1f%% %7lld %9lld\n", m.shape.c_str(),
-                  m.kv.c_str(), m.ms * 1e3, m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs,
-                  (long long)m.splits, (long long)m.resident_ctas);
-      results.push_back(m);
+      for (const Measurement& m : run(s, dtype, config, sweep)) {
+        std::printf("%-38s %-16s %-6s %9.1f %9.1f %9.1f %8.3f %7.1f%% %7lld %9lld\n",
+                    m.shape.c_str(), m.kv.c_str(), m.plan.c_str(), m.ms * 1e3, m.graph_ms * 1e3,
+                    m.bytes / 1e6, m.tbs, 100.0 * m.tbs / copy_tbs, (long long)m.splits,
+                    (long long)m.resident_ctas);
+        results.push_back(m);
+      }
     }
   }
   FILE* f = std::fopen(json_path, "w");
@@ -217,12 +281,13 @@ int main(int argc, char** argv) {
   std::fprintf(f, "{\"copy_tbs\": %.4f, \"results\": [\n", copy_tbs);
   for (size_t i = 0; i < results.size(); ++i) {
     const Measurement& m = results[i];
-    std::fprintf(
-        f,
-        "  {\"shape\": \"%s\", \"kv\": \"%s\", \"ms\": %.5f, \"bytes\": %.0f, \"tbs\": %.4f, "
-        "\"splits\": %lld, \"resident_ctas\": %lld}%s\n",
-        m.shape.c_str(), m.kv.c_str(), m.ms, m.bytes, m.tbs, (long long)m.splits,
-        (long long)m.resident_ctas, i + 1 < results.size() ? "," : "");
+    std::fprintf(f,
+                 "  {\"shape\": \"%s\", \"kv\": \"%s\", \"plan\": \"%s\", \"ms\": %.5f, "
+                 "\"graph_ms\": %.5f, \"bytes\": %.0f, \"tbs\": %.4f, \"splits\": %lld, "
+                 "\"resident_ctas\": %lld}%s\n",
+                 m.shape.c_str(), m.kv.c_str(), m.plan.c_str(), m.ms, m.graph_ms, m.bytes, m.tbs,
+                 (long long)m.splits, (long long)m.resident_ctas,
+                 i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);

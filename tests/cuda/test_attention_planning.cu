@@ -54,16 +54,16 @@ TEST(DecodePlanning, SplitsCoverEveryKeyAndFillWholeWaves) {
     EXPECT_EQ(plan.n_splits % 4, 0) << what;
     EXPECT_EQ(plan.keys_per_split % 8, 0) << what;
     EXPECT_GE(plan.keys_per_split * plan.n_splits, c.keys) << what;
-    // Waves x keys per split is never far above what any other split count gives (brute force
-    // here; the planner also charges a fixed cost per split, worth at most a few waves' keys).
-    const int64_t ctas = c.rows * c.kv_heads * plan.n_splits / 4;
-    const int64_t waves = (ctas + c.resident - 1) / c.resident;
-    const double cost = double(waves) * double(plan.keys_per_split + 64);
+    // Waves x (keys per split + 64) + 1.25 per CTA of a row and KV head is never far above what
+    // any other split count gives (brute force here).
+    auto cost = [&](int64_t splits, int64_t kps) {
+      const int64_t n = c.rows * c.kv_heads * splits / 4;
+      return double((n + c.resident - 1) / c.resident) * double(kps + 64) + 1.25 * (splits / 4);
+    };
     for (int64_t s = 4; s <= 4096; s += 4) {
       if ((c.keys + s - 1) / s < 16 && s > 4) break;  // the planner keeps 16+ keys per split
       const int64_t kps = ((c.keys + s - 1) / s + 7) / 8 * 8;
-      const int64_t n = c.rows * c.kv_heads * s / 4;
-      EXPECT_LE(cost, 1.02 * double((n + c.resident - 1) / c.resident) * double(kps + 64))
+      EXPECT_LE(cost(plan.n_splits, plan.keys_per_split), 1.02 * cost(s, kps))
           << what << " beaten by " << s << " splits";
     }
   }
@@ -71,6 +71,12 @@ TEST(DecodePlanning, SplitsCoverEveryKeyAndFillWholeWaves) {
   const DecodeAttentionPlan p = plan_decode_attention(8, 8, 32768, 396);
   EXPECT_LE(8 * 8 * p.n_splits / 4, 396);
   EXPECT_GE(8 * 8 * p.n_splits / 4, 396 * 9 / 10);
+  // Short launches: the per-CTA cost picks 16 CTAs of 4 x 32 keys per row and KV head for the QSA
+  // benchmark (4 rows, 2 KV heads, 2048 keys; 32 CTAs of 4 x 16 before, measured slower on the
+  // H200), 17 for 2051 keys, and 54 for one 20K sequence (128 before).
+  EXPECT_EQ(plan_decode_attention(4, 2, 2048, 264).n_splits, 64);
+  EXPECT_EQ(plan_decode_attention(4, 2, 2051, 264).n_splits, 68);
+  EXPECT_EQ(plan_decode_attention(1, 2, 20480, 264).n_splits, 216);
 }
 
 TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {

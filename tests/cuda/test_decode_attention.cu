@@ -1,7 +1,8 @@
 // CUDA paged decode attention against the CPU reference (backend/cpu/attention.h) on fresh random
 // data: head_dim {64,128,256} x GQA {1,4,6,8,12,16} x block {16,64} x FP16/E4M3 (software and
 // native decode) x dense/QSA x both load paths (registers; async copy on sm_80+), mixed batches of
-// decode rows and prefill-chunk rows. Outputs are poisoned with NaN before each run.
+// decode rows and prefill-chunk rows; and back-to-back launches sharing one workspace. Outputs are
+// poisoned with NaN before each run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,23 +25,27 @@ namespace {
 
 using Case = AttentionCase;
 
-Comparison run_case(const Case& c, DecodeLoadPath load, bool small_plan, uint32_t seed) {
-  // A decode row per sequence, plus a 19-row prefill chunk of sequence 2 and a 5-row chunk of
-  // sequence 3 (a mixed batch, every row through the decode kernel).
+// A decode row per sequence, plus a 19-row prefill chunk of sequence 2 and a 5-row chunk of
+// sequence 3 (a mixed batch, every row through the decode kernel).
+void make_data(const Case& c, uint32_t seed, AttentionData& data) {
   const std::vector<int32_t> seq_lens{1, 37, 700, 1500};
   std::vector<std::pair<int32_t, int32_t>> rows;
   for (int32_t s = 0; s < 4; ++s) rows.emplace_back(s, seq_lens[s] - 1);
   for (int32_t p = 600; p < 619; ++p) rows.emplace_back(2, p);
   for (int32_t p = 1000; p < 1005; ++p) rows.emplace_back(3, p);
-  AttentionData data;
   data.make(c, seq_lens, rows, /*selection_width=*/259, seed);
+}
+
+Comparison run_case(const Case& c, const DecodeAttentionConfig& config, bool small_plan,
+                    uint32_t seed) {
+  AttentionData data;
+  make_data(c, seed, data);
   const int64_t n_rows = data.params.rows.n_rows;
   const int64_t n_heads = data.params.n_heads;
 
   DeviceAttentionData device(data);
   const PagedAttentionParams& dev = device.params;
 
-  const DecodeAttentionConfig config{c.native, load};
   const Result<int64_t> resident =
       decode_attention_resident_ctas(data.params.cache.geometry, n_heads, config, 0);
   EXPECT_TRUE(resident.ok()) << resident.status().message();
@@ -96,7 +101,8 @@ TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {
         << describe(c);
     for (DecodeLoadPath load : loads) {
       const char* path = load == DecodeLoadPath::kAsyncCopy ? " async copy" : " registers";
-      const Comparison r = run_case(c, load, index % 2 == 1, seed++);
+      const DecodeAttentionConfig config{c.native, load};
+      const Comparison r = run_case(c, config, index % 2 == 1, seed++);
       EXPECT_EQ(r.nan_count, 0) << describe(c) << path;
       EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << path << " max abs " << r.max_abs;
       worst = std::max(worst, r.rel_l2);
@@ -105,6 +111,52 @@ TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {
   }
   std::printf("[ info ] %zu cases x %zu load paths (native E4M3 %s), worst relative L2 %.3g\n",
               cases.size(), loads.size(), native ? "included" : "not available", worst);
+}
+
+// Three launches queued back to back on one stream, sharing one workspace as the runner's layers
+// do (each decode kernel overwrites the partials the merge before it read): data sets A, B, A;
+// every output must match its reference.
+TEST(DecodeAttentionCuda, BackToBackLaunchesShareTheWorkspace) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const DecodeAttentionConfig config = decode_attention_config(0, false);
+  for (const Case& c : {Case{256, 2, 8, 64, KvCacheDtype::kF16, true, false},
+                        Case{128, 2, 4, 16, KvCacheDtype::kE4m3, false, false}}) {
+    AttentionData host[2];
+    make_data(c, 77, host[0]);
+    make_data(c, 78, host[1]);
+    DeviceAttentionData dev0(host[0]);
+    DeviceAttentionData dev1(host[1]);
+    DeviceAttentionData dev2(host[0]);
+    const int64_t n_rows = host[0].params.rows.n_rows;
+    const int64_t n_heads = host[0].params.n_heads;
+    const Result<int64_t> resident =
+        decode_attention_resident_ctas(host[0].params.cache.geometry, n_heads, config, 0);
+    ASSERT_TRUE(resident.ok()) << resident.status().message();
+    const DecodeAttentionPlan plan =
+        plan_decode_attention(n_rows, c.n_kv_heads, host[0].max_keys, *resident);
+    DeviceBuffer<float> d_ws(
+        decode_attention_workspace_floats(n_rows, plan.n_splits, n_heads, c.head_dim));
+    DecodeAttentionWorkspace ws;
+    ws.m = d_ws.ptr;
+    ws.l = ws.m + n_rows * plan.n_splits * n_heads;
+    ws.acc = ws.l + n_rows * plan.n_splits * n_heads;
+    ws.max_rows = n_rows;
+    ws.max_splits = plan.n_splits;
+    ws.n_heads = n_heads;
+    ws.head_dim = c.head_dim;
+    for (const DeviceAttentionData* d : {&dev0, &dev1, &dev2}) {
+      const Status st = paged_decode_attention(d->params, plan, ws, config, nullptr);
+      EXPECT_TRUE(st.ok()) << st.message();
+    }
+    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+    const Comparison r[3] = {compare_outputs(dev0.out.to_host(), host[0].ref),
+                             compare_outputs(dev1.out.to_host(), host[1].ref),
+                             compare_outputs(dev2.out.to_host(), host[0].ref)};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(r[i].nan_count, 0) << describe(c) << " launch " << i;
+      EXPECT_LE(r[i].rel_l2, 2e-3) << describe(c) << " launch " << i << " max abs " << r[i].max_abs;
+    }
+  }
 }
 
 }  // namespace

@@ -142,6 +142,14 @@ __device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1)
 #ifndef E4KV_DECODE_SPLIT_COST_KEYS
 #define E4KV_DECODE_SPLIT_COST_KEYS 64
 #endif
+// The planner's cost of each CTA of a row and KV head, in keys: every CTA writes a partial result
+// that the merge reads back one after another, and more CTAs share the SMs. Fitted on the H200
+// (2026-12-01, graph replay, FP16): QSA 4 x 2048 keys took 11.9 / 9.5 / 10.5 us at 8 / 16 / 32
+// CTAs per row and KV head, one 20K sequence 23.9 / 17.9 / 17.7 / 23.3 us at 25 / 47 / 64 / 128;
+// without this term the planner chose 32 and 128.
+#ifndef E4KV_DECODE_CTA_COST_KEYS
+#define E4KV_DECODE_CTA_COST_KEYS 1.25
+#endif
 #ifndef E4KV_DECODE_MIN_SPLIT_KEYS
 #define E4KV_DECODE_MIN_SPLIT_KEYS 16
 #endif
@@ -187,10 +195,10 @@ struct DecodeShape {
   static constexpr int kStages = kRingBytes / kStageBytes < 2   ? 2
                                  : kRingBytes / kStageBytes > 4 ? 4
                                                                 : kRingBytes / kStageBytes;
-  // Async path: after the loop the ring holds warps 1-3's results for warp 0 to combine
-  // (m, l and the O fragments of each lane, [warp - 1][value][lane] fp32).
+  // Async path: after the loop the ring holds every warp's results for the CTA combine (m, l and
+  // the O fragments of each lane, [warp][value][lane] fp32).
   static constexpr int kCombineValues = 4 + kHeadTiles * kMTiles * 4;
-  static constexpr int kCombineBytes = (kWarpsPerCta - 1) * kCombineValues * 32 * 4;
+  static constexpr int kCombineBytes = kWarpsPerCta * kCombineValues * 32 * 4;
   static constexpr int kRingsBytes = kWarpsPerCta * kStages * kStageBytes;
   static constexpr int kSmemBytes =
       !kAsync ? 0 : (kRingsBytes > kCombineBytes ? kRingsBytes : kCombineBytes);
@@ -198,6 +206,8 @@ struct DecodeShape {
   static_assert(kKWords == 4, "K fragments are loaded 16 bytes at a time");
   static_assert(kRowChunks >= 4 && kRowChunks <= 32 && 32 % kRowChunks == 0);
   static_assert(kIterTokens % (32 / kRowChunks) == 0);
+  static_assert(!kAsync || 32 % kIterTokens == 0, "an iteration lies inside one 32-key window");
+  static_assert(kMTiles % kWarpsPerCta == 0, "the CTA combine gives each warp whole m-tiles");
 
   // Shared-memory row swizzles (chunk index within a token's row). K is read as (token g,
   // chunk t + 4c) and V as (token 2t + b, chunk g + 8c): flipping bit 2 of the chunk on odd
@@ -245,39 +255,57 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   const int kv_head = blockIdx.x % p.n_kv_heads;
   const int split = blockIdx.y * kWarpsPerCta + warp;  // < n_splits (a multiple of 4)
 
-  const int n_keys = p.sel_tokens != nullptr ? p.sel_counts[row] : p.row_pos[row] + 1;
   const int k_begin = split * p.keys_per_split;
+  const int32_t* sel =
+      p.sel_tokens != nullptr ? p.sel_tokens + int64_t(row) * p.sel_width : nullptr;
+  // Async path: the cache offsets of a split's keys are resolved 32 keys (a window) at a time,
+  // lane L holding key k_begin + 32 w + L's. The selection entries of the first two windows are
+  // read here, before the key count is known (entries past the count still lie inside the row), so
+  // the count, the selection and the block table cost two dependent loads, not three.
+  // note: the d 256 instances of two head tiles are at the 255-register limit, and the window state
+  // (4 registers) made them spill (140 bytes): they resolve every token's address when they copy
+  // it.
+  constexpr bool kWindows = kAsync && !(kHeadDim == 256 && kHeadTiles == 2);
+  int window_raw[2] = {0, 0};  // selection entries (QSA) or keys (dense)
+  if constexpr (kWindows) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const int key = k_begin + 32 * w + lane;
+      window_raw[w] = sel != nullptr ? __ldg(sel + min(key, int(p.sel_width) - 1)) : key;
+    }
+  }
+  const int n_keys = p.sel_tokens != nullptr ? p.sel_counts[row] : p.row_pos[row] + 1;
   const int k_end = min(n_keys, k_begin + p.keys_per_split);
   const int head0 = kv_head * p.group;
   const int seq = p.row_seq[row];
   const int32_t* table = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
-  const int32_t* sel =
-      p.sel_tokens != nullptr ? p.sel_tokens + int64_t(row) * p.sel_width : nullptr;
   const int64_t row_bytes = int64_t(p.n_kv_heads) * kHeadDim * kEB;
   const int64_t head_offset = int64_t(kv_head) * kHeadDim * kEB;
 
   // Q as A fragments, dims permuted like the K loads: step (c, m) covers, for thread t, dims
-  // kKElems * (t + 4c) + 2m + {0, 1}.
+  // kKElems * (t + 4c) + 2m + {0, 1}. The steps of one c are kKElems contiguous dims (16 or 32
+  // bytes): 16-byte loads (q is 16-byte aligned, checked on the host).
   uint32_t q_lo[kKSteps];                        // heads head0 + g
   uint32_t q_hi[kHeadTiles == 2 ? kKSteps : 1];  // heads head0 + g + 8
   {
+    static_assert(kStepsPerLoad % 4 == 0);
     const uint16_t* q_row = p.q + int64_t(row) * p.n_heads * kHeadDim;
     const bool lo_ok = g < p.group;
     const bool hi_ok = kHeadTiles == 2 && g + 8 < p.group;
+    auto load_q = [&](bool ok, int head, int dim, uint32_t* dst) {
+      const uint4 v =
+          ok ? __ldg(reinterpret_cast<const uint4*>(q_row + int64_t(head) * kHeadDim + dim))
+             : make_uint4(0u, 0u, 0u, 0u);
+      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    };
 #pragma unroll
     for (int c = 0; c < kKLoads; ++c) {
 #pragma unroll
-      for (int m = 0; m < kStepsPerLoad; ++m) {
+      for (int m = 0; m < kStepsPerLoad; m += 4) {
         const int dim = kKElems * (t + 4 * c) + 2 * m;
         const int step = c * kStepsPerLoad + m;
-        q_lo[step] =
-            lo_ok ? *reinterpret_cast<const uint32_t*>(q_row + int64_t(head0 + g) * kHeadDim + dim)
-                  : 0u;
-        if constexpr (kHeadTiles == 2) {
-          q_hi[step] = hi_ok ? *reinterpret_cast<const uint32_t*>(
-                                   q_row + int64_t(head0 + g + 8) * kHeadDim + dim)
-                             : 0u;
-        }
+        load_q(lo_ok, head0 + g, dim, q_lo + step);
+        if constexpr (kHeadTiles == 2) load_q(hi_ok, head0 + g + 8, dim, q_hi + step);
       }
     }
   }
@@ -337,23 +365,71 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     }
   };
 
+  // Async path, key windows: a window's block-table entry is loaded one window before its
+  // copies are issued, so a long split waits at most on a selection load (QSA) once per 32 keys,
+  // and a short one (two windows, resolved together here) never. Keys past k_end take the
+  // window's first key (masked below); windows past the split are read speculatively (indices
+  // clamped) and never used.
+  auto window_block = [&](int raw, int w, int& block, int& slot) {
+    const int key = k_begin + 32 * w + lane;
+    const bool valid = key < k_end;
+    const int pos =
+        sel != nullptr ? __shfl_sync(kFullMask, raw, valid ? lane : 0) : (valid ? raw : key - lane);
+    int index;
+    if (p.block_shift >= 0) {
+      index = pos >> p.block_shift;
+      slot = pos & (p.block_size - 1);
+    } else {
+      index = pos / p.block_size;
+      slot = pos % p.block_size;
+    }
+    block = __ldg(table + min(max(index, 0), int(p.max_blocks_per_seq) - 1));
+  };
+  auto window_offset = [&](int block, int slot) {
+    return (int64_t(block) * 2 * p.block_size + slot) * row_bytes + head_offset;
+  };
+  int64_t window_off = 0;             // the current window (K row of this lane's key)
+  int next_block = 0, next_slot = 0;  // the next window: block-table load in flight
+  if constexpr (kWindows) {
+    int block0, slot0;
+    window_block(window_raw[0], 0, block0, slot0);
+    window_block(window_raw[1], 1, next_block, next_slot);
+    window_off = window_offset(block0, slot0);
+  }
+
   // Async path: the warp's ring of kStages stages; a stage is K rows [kIterTokens][kRowBytes]
   // then V rows, chunks swizzled. A lane copies one fixed chunk of every (32 / kRowChunks)-th
-  // token; keys past k_end copy token k_begin (masked below).
+  // token, whose offset it takes from the window by shuffle (keys past k_end copy a valid token).
   extern __shared__ __align__(16) uint8_t decode_smem[];
   uint8_t* ring = decode_smem + warp * (kStages * Shape::kStageBytes);
   const int64_t v_bytes_offset = int64_t(p.block_size) * row_bytes;  // K row -> V row of a slot
-  auto issue_iteration = [&](int tile, uint8_t* stage) {
+  auto issue_iteration = [&](int tile, uint8_t* stage, int first_lane) {
     constexpr int kTokensPerRound = 32 / Shape::kRowChunks;
     const int chunk = lane % Shape::kRowChunks;
 #pragma unroll
     for (int token = lane / Shape::kRowChunks; token < kIterTokens; token += kTokensPerRound) {
-      const int key = tile + token < k_end ? tile + token : k_begin;
-      const uint8_t* src = token_ptr(key, 0) + chunk * 16;
+      const uint8_t* src;
+      if constexpr (kWindows) {
+        src = p.cache + __shfl_sync(kFullMask, window_off, first_lane + token) + chunk * 16;
+      } else {
+        src = token_ptr(tile + token < k_end ? tile + token : k_begin, 0) + chunk * 16;
+      }
       cp_async_16(stage + token * kRowBytes + Shape::k_chunk(token, chunk) * 16, src);
       cp_async_16(stage + (kIterTokens + token) * kRowBytes + Shape::v_chunk(token, chunk) * 16,
                   src + v_bytes_offset);
     }
+  };
+  // Iterations are issued in order, so a window starts when the first iteration inside it does.
+  auto issue = [&](int i) {
+    const int first = i * kIterTokens;  // key index within the split
+    if (kWindows && first > 0 && first % 32 == 0) {
+      const int window = first / 32;
+      window_off = window_offset(next_block, next_slot);
+      const int key = k_begin + 32 * (window + 1) + lane;
+      window_block(sel != nullptr ? __ldg(sel + min(key, int(p.sel_width) - 1)) : key, window + 1,
+                   next_block, next_slot);
+    }
+    issue_iteration(k_begin + first, ring + (i % kStages) * Shape::kStageBytes, first % 32);
   };
   auto fetch_iteration = [&](const uint8_t* stage, Raw& raw) {
     const uint8_t* v_rows = stage + kIterTokens * kRowBytes;
@@ -383,7 +459,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   if constexpr (kAsync) {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_iters) issue_iteration(k_begin + s * kIterTokens, ring + s * Shape::kStageBytes);
+      if (s < n_iters) issue(s);
       cp_async_commit();
     }
   }
@@ -397,10 +473,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
       cp_async_wait<kStages - 2>();
       __syncwarp();
       const int ahead = it + kStages - 1;
-      if (ahead < n_iters) {
-        issue_iteration(k_begin + ahead * kIterTokens,
-                        ring + (ahead % kStages) * Shape::kStageBytes);
-      }
+      if (ahead < n_iters) issue(ahead);
       cp_async_commit();
       fetch_iteration(ring + (it % kStages) * Shape::kStageBytes, cur);
     } else {
@@ -409,13 +482,18 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     const auto& k_raw = cur.k;
     const auto& v_raw0 = cur.v0;
     const auto& v_raw1 = cur.v1;
-    // S = Q . K^T: s[sub][0..1] = heads g (tokens 2t, 2t+1), s[sub][2..3] = heads g + 8.
+    // S = Q . K^T: s[sub][0..1] = heads g (tokens 2t, 2t+1), s[sub][2..3] = heads g + 8. On the
+    // async path even and odd loads accumulate apart and are added at the end: two chains of
+    // dependent mma instead of one, which matters when a warp has its scheduler to itself (short
+    // splits). (The register path's d 256 instance of two head tiles spilled with it.)
     float s[kSub][4];
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) {
+      float s_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       s[sub][0] = s[sub][1] = s[sub][2] = s[sub][3] = 0.0f;
 #pragma unroll
       for (int c = 0; c < kKLoads; ++c) {
+        float(&acc)[4] = !kAsync || c % 2 == 0 ? s[sub] : s_odd;
         uint32_t b[kStepsPerLoad];
         if constexpr (kEB == 2) {
 #pragma unroll
@@ -430,17 +508,19 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
 #pragma unroll
           for (int m = 0; m < kStepsPerLoad; m += 2) {
             const int step = c * kStepsPerLoad + m;
-            mma_m16n8k16(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, q_lo[step + 1],
+            mma_m16n8k16(acc, q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, q_lo[step + 1],
                          kHeadTiles == 2 ? q_hi[step + 1] : 0u, b[m], b[m + 1]);
           }
         } else {
 #pragma unroll
           for (int m = 0; m < kStepsPerLoad; ++m) {
             const int step = c * kStepsPerLoad + m;
-            mma_m16n8k8(s[sub], q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
+            mma_m16n8k8(acc, q_lo[step], kHeadTiles == 2 ? q_hi[step] : 0u, b[m]);
           }
         }
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[sub][i] += s_odd[i];
     }
 
     // Online softmax over the whole iteration (base 2; scales folded into qk_scale_log2).
@@ -547,72 +627,72 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   // Async path: the CTA's 4 splits (consecutive key ranges of one row and KV head) are combined
   // by log-sum-exp in shared memory, so one partial per CTA goes to the merge (4x less partial
   // traffic, which matters when short splits fill the GPU for one long sequence or a QSA
-  // selection). Every lane holds the same fragment positions in every warp, so warp 0 combines
-  // lane by lane. No copy is in flight: the last iteration waited for its stage and later groups
-  // are empty.
+  // selection). Every lane holds the same fragment positions in every warp, so the combine goes
+  // lane by lane: every warp publishes its (m, l, O), takes the CTA's maxima and sums, and combines
+  // and writes the O fragments of a quarter of the m-tiles (mt = warp mod 4), a quarter of the
+  // serial work one warp used to do alone at the end of short splits. No copy is in flight: the
+  // last iteration waited for its stage and later groups are empty.
   int partial = split;
   if constexpr (kAsync) {
     __syncthreads();  // every warp is done with its ring
     float* xs = reinterpret_cast<float*>(decode_smem);
     auto slot = [&](int w, int value) -> float& {
-      return xs[((w - 1) * Shape::kCombineValues + value) * 32 + lane];
+      return xs[(w * Shape::kCombineValues + value) * 32 + lane];
     };
-    if (warp > 0) {
-      slot(warp, 0) = m_run[0];
-      slot(warp, 1) = m_run[1];
-      slot(warp, 2) = l_run[0];
-      slot(warp, 3) = l_run[1];
+    slot(warp, 0) = m_run[0];
+    slot(warp, 1) = m_run[1];
+    slot(warp, 2) = l_run[0];
+    slot(warp, 3) = l_run[1];
 #pragma unroll
-      for (int r = 0; r < kHeadTiles; ++r) {
+    for (int r = 0; r < kHeadTiles; ++r) {
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) slot(warp, 4 + (r * kMTiles + mt) * 4 + i) = o[r][mt][i];
-        }
+        for (int i = 0; i < 4; ++i) slot(warp, 4 + (r * kMTiles + mt) * 4 + i) = o[r][mt][i];
       }
     }
     __syncthreads();
-    if (warp > 0) return;
-    float m_all[2] = {m_run[0], m_run[1]};
-#pragma unroll
-    for (int w = 1; w < kWarpsPerCta; ++w) {
-      m_all[0] = fmaxf(m_all[0], slot(w, 0));
-      m_all[1] = fmaxf(m_all[1], slot(w, 1));
-    }
     // Factor of warp w's sums for S-row r (head g + 8r): 0 for an empty split or row.
-    auto factor = [&](float m, int r) { return m == -INFINITY ? 0.0f : exp2f(m - m_all[r]); };
+    float f[kWarpsPerCta][2];
 #pragma unroll
-    for (int w = 0; w < kWarpsPerCta; ++w) {
-      float f[2];
+    for (int r = 0; r < 2; ++r) {
+      float m_all = slot(0, r);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        f[r] = factor(w == 0 ? m_run[r] : slot(w, r), r);
-        const float l = w == 0 ? l_run[r] : slot(w, 2 + r);
-        l_run[r] = w == 0 ? f[r] * l : l_run[r] + f[r] * l;
+      for (int w = 1; w < kWarpsPerCta; ++w) m_all = fmaxf(m_all, slot(w, r));
+      l_run[r] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerCta; ++w) {
+        const float m = slot(w, r);
+        f[w][r] = m == -INFINITY ? 0.0f : exp2f(m - m_all);
+        l_run[r] += f[w][r] * slot(w, 2 + r);
       }
+      m_run[r] = m_all;
+    }
 #pragma unroll
-      for (int r = 0; r < kHeadTiles; ++r) {
-        float a0, a1;
-        to_columns(f[r], t, a0, a1);
+    for (int r = 0; r < kHeadTiles; ++r) {
+      float a0[kWarpsPerCta], a1[kWarpsPerCta];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int w = 0; w < kWarpsPerCta; ++w) to_columns(f[w][r], t, a0[w], a1[w]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float a = i % 2 == 0 ? a0 : a1;
-            const float v = w == 0 ? o[r][mt][i] : slot(w, 4 + (r * kMTiles + mt) * 4 + i);
-            o[r][mt][i] = w == 0 ? a * v : o[r][mt][i] + a * v;
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if (mt % kWarpsPerCta != warp) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int w = 0; w < kWarpsPerCta; ++w) {
+            sum += (i % 2 == 0 ? a0[w] : a1[w]) * slot(w, 4 + (r * kMTiles + mt) * 4 + i);
           }
+          o[r][mt][i] = sum;
         }
       }
     }
-    m_run[0] = m_all[0];
-    m_run[1] = m_all[1];
     partial = blockIdx.y;
   }
 
   const int64_t split_index =
       int64_t(row) * (kAsync ? p.n_splits / kWarpsPerCta : p.n_splits) + partial;
-  if (t == 0) {
+  if (t == 0 && (!kAsync || warp == 0)) {
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
       const int head = g + 8 * r;
@@ -626,6 +706,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   for (int r = 0; r < kHeadTiles; ++r) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
+      if (kAsync && mt % kWarpsPerCta != warp) continue;  // another warp's m-tile
       const int c = (2 * mt) / kVElems;
       const int e = (2 * mt) % kVElems;
       const int dim = kVElems * (g + 8 * c) + e;
@@ -817,10 +898,10 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas) {
   // Every split count (a multiple of the 4 warps of a CTA, at least 16 keys per warp) is costed
-  // as waves x (keys per split + a fixed cost per split): a launch of C CTAs with R resident at
-  // once takes ceil(C / R) rounds, each as long as one split; each split also loads Q, fills its
-  // pipeline and writes a partial result the merge reads back. The cheapest wins; among those
-  // within 2% of it, the fewest splits.
+  // as waves x (keys per split + a fixed cost per split) + a cost per CTA of a row and KV head: a
+  // launch of C CTAs with R resident at once takes ceil(C / R) rounds, each as long as one split;
+  // each split also loads Q and fills its pipeline, and each CTA writes a partial result the
+  // merge reads back. The cheapest wins; among those within 2% of it, the fewest splits.
   const int64_t items = std::max<int64_t>(1, n_rows * n_kv_heads);
   const int64_t slots = std::max<int64_t>(1, resident_ctas);
   const int64_t keys = std::max<int64_t>(1, max_keys);
@@ -833,7 +914,8 @@ DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, in
   auto cost = [&](int64_t splits) {
     const int64_t ctas = items * splits / kWarpsPerCta;
     return double((ctas + slots - 1) / slots) *
-           double(keys_per_split(splits) + E4KV_DECODE_SPLIT_COST_KEYS);
+               double(keys_per_split(splits) + E4KV_DECODE_SPLIT_COST_KEYS) +
+           E4KV_DECODE_CTA_COST_KEYS * double(splits / kWarpsPerCta);
   };
   double best = cost(kWarpsPerCta);
   for (int64_t s = 2 * kWarpsPerCta; s < most + kWarpsPerCta; s += kWarpsPerCta) {
@@ -862,6 +944,10 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   if (n_rows > workspace.max_rows || plan.n_splits > workspace.max_splits ||
       params.n_heads > workspace.n_heads || geo.head_dim > workspace.head_dim) {
     return Status::error("decode attention: workspace too small for this launch");
+  }
+  if (reinterpret_cast<uintptr_t>(params.q) % 16 != 0) {
+    return Status::error(
+        "decode attention: q must be 16-byte aligned (it is read 16 bytes at a time)");
   }
   if (n_rows == 0) return Status();
   const int group = int(params.n_heads / geo.n_kv_heads);

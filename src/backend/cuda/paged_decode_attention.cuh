@@ -44,7 +44,8 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
 
 // Picks the split count (a multiple of 4, at least 16 keys per split) that finishes soonest when
 // `resident_ctas` CTAs run at once: ceil(CTAs / resident) waves x (keys per split + a fixed cost
-// of 64 keys per split), the fewest splits within 2% of the best. max_keys: the most keys any row
+// of 64 keys per split) + 1.25 keys per CTA of a row and KV head (its partial result, merged one
+// after another), the fewest splits within 2% of the best. max_keys: the most keys any row
 // attends (row_pos + 1, or the QSA selection count).
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas);
@@ -70,9 +71,9 @@ size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, i
 
 // out = attention of every row of params.rows (device pointers throughout; params.out fp32).
 // Limits: head_dim 64, 128 or 256; GQA group (n_heads / n_kv_heads) <= 16; block_size a multiple
-// of 8. E4M3 caches use the native conversion when config.native_e4m3 and the software decoder
-// otherwise; config.load kAsyncCopy needs sm_80+ (decode_attention_config picks it only there).
-// Returns an error for shapes outside the limits; launch failures are fatal.
+// of 8; params.q 16-byte aligned. E4M3 caches use the native conversion when config.native_e4m3 and
+// the software decoder otherwise; config.load kAsyncCopy needs sm_80+ (decode_attention_config
+// picks it only there). Returns an error for shapes outside the limits; launch failures are fatal.
 Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAttentionPlan& plan,
                               const DecodeAttentionWorkspace& workspace,
                               const DecodeAttentionConfig& config, cudaStream_t stream);
