@@ -17,8 +17,9 @@ namespace e4kv::cuda {
 enum class QsaTopKMethod {
   kAuto,      // kFiltered when max_groups <= qsa_top_k_filtered_max_groups(), else kTwoPhase with a
               // workspace, else kScan
-  kFiltered,  // one CTA per row: a lower bound from per-thread maxima, select among the few keys
-              // above it in shared memory, ordered emission from bitmaps (max_groups <= limit)
+  kFiltered,  // one CTA per row: a lower bound from the run maxima (per warp, then the block
+              // minimum), a select among the keys above it in shared memory, ordered emission from
+              // bitmaps (max_groups <= limit)
   kTwoPhase,  // chunk candidates with many CTAs per row, then one CTA per row (needs workspace)
   kScan,      // one CTA per row, radix passes over the whole row
 };
@@ -52,19 +53,18 @@ struct QsaTopKArgs {
 
 // Bytes of the candidate workspace for these sizes; 0 when the two-phase path would not shrink the
 // rows (short contexts), so no workspace is needed.
-size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
-                                 int64_t ratio);
+size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget, int64_t ratio);
 
 // For each row: visible = min((pos + 1) / ratio, seq_len / ratio) (cut to max_groups); visible <= k
 // takes every visible group without reading scores, otherwise the groups scoring strictly above
 // the k-th score and then the lowest-index groups equal to it; groups in increasing index, each
 // expanded to ratio tokens, then the causal tail ratio * ((pos + 1) / ratio) .. pos, then -1.
 // The method is chosen as QsaTopKMethod says; kFiltered is the fast one (see qsa_topk.cu).
-// With kTwoPhase and a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per row) each keep
-// their exact local top-k (same order), whose union holds the row's top-k, then one CTA per row
-// selects from the candidates. Both paths give identical results.
-// Limits: none beyond int32 indices (kFiltered: max_groups <= qsa_top_k_filtered_max_groups();
-// kTwoPhase: a workspace). Returns an error for bad shapes; launch failures are fatal.
+// With kTwoPhase and a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per
+// row) each keep their exact local top-k (same order), whose union holds the row's top-k, then one
+// CTA per row selects from the candidates. Both paths give identical results. Limits: none beyond
+// int32 indices (kFiltered: max_groups <= qsa_top_k_filtered_max_groups(); kTwoPhase: a workspace).
+// Returns an error for bad shapes; launch failures are fatal.
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream);
 
 }  // namespace e4kv::cuda
