@@ -52,7 +52,9 @@ struct Measurement {
   double top_k_two_phase_ms;
   double top_k_filtered_ms;
   double top_k_filtered_maxima_ms;  // given the run maxima the score kernel wrote
-  double total_ms;       // scores with run maxima + top-k (default method), L2-resident cache
+  double top_k_cluster_ms;          // sm_90+ only (else 0)
+  double top_k_cluster_maxima_ms;
+  double total_ms;       // scores with run maxima + top-k (kAuto), L2-resident cache
   double total_cold_ms;  // the same, cache copies rotating (as in a model: other layers evict it)
   double bytes;
   int copies;
@@ -163,6 +165,14 @@ Measurement run(int batch, int ctx) {
   ta4.run_maxima = d_maxima;
   ta4.run_stride = run_stride;
   m.top_k_filtered_maxima_ms = time_ms([&] { check(qsa_top_k_select(ta4, nullptr)); });
+  if (qsa_top_k_cluster_available()) {
+    QsaTopKArgs ta5 = ta3;
+    ta5.method = QsaTopKMethod::kCluster;
+    m.top_k_cluster_ms = time_ms([&] { check(qsa_top_k_select(ta5, nullptr)); });
+    ta5.run_maxima = d_maxima;
+    ta5.run_stride = run_stride;
+    m.top_k_cluster_maxima_ms = time_ms([&] { check(qsa_top_k_select(ta5, nullptr)); });
+  }
   ta4.method = QsaTopKMethod::kAuto;
   m.total_ms = time_ms([&] {
     check(qsa_index_scores(sa, nullptr));
@@ -195,16 +205,19 @@ int main(int argc, char** argv) {
   }
   constexpr int kCtx = 131072;
   std::vector<Measurement> results;
-  std::printf("%-6s %8s %9s %11s %10s %10s %11s %11s %11s %9s %10s %10s %10s\n", "batch", "ctx",
-              "scores_us", "scores_cold", "scores_max", "topk_scan", "topk_2phase", "topk_filter",
-              "topk_f_max", "total_us", "total_cold", "MB_scored", "cold_TB/s");
+  std::printf("%-6s %8s %9s %11s %10s %10s %11s %11s %11s %11s %11s %9s %10s %10s %10s\n",
+              "batch", "ctx", "scores_us", "scores_cold", "scores_max", "topk_scan", "topk_2phase",
+              "topk_filter", "topk_f_max", "topk_clust", "topk_c_max", "total_us", "total_cold",
+              "MB_scored", "cold_TB/s");
   for (int batch : {4, 1}) {
     const Measurement m = run(batch, kCtx);
     std::printf(
-        "%-6d %8d %9.1f %11.1f %10.1f %10.1f %11.1f %11.1f %11.1f %9.1f %10.1f %10.1f %10.3f\n",
+        "%-6d %8d %9.1f %11.1f %10.1f %10.1f %11.1f %11.1f %11.1f %11.1f %11.1f %9.1f %10.1f "
+        "%10.1f %10.3f\n",
         m.batch, kCtx, m.scores_ms * 1e3, m.scores_cold_ms * 1e3, m.scores_maxima_ms * 1e3,
         m.top_k_ms * 1e3, m.top_k_two_phase_ms * 1e3, m.top_k_filtered_ms * 1e3,
-        m.top_k_filtered_maxima_ms * 1e3, m.total_ms * 1e3, m.total_cold_ms * 1e3, m.bytes / 1e6,
+        m.top_k_filtered_maxima_ms * 1e3, m.top_k_cluster_ms * 1e3,
+        m.top_k_cluster_maxima_ms * 1e3, m.total_ms * 1e3, m.total_cold_ms * 1e3, m.bytes / 1e6,
         m.bytes / (m.scores_cold_ms * 1e-3) / 1e12);
     results.push_back(m);
   }
@@ -221,9 +234,11 @@ int main(int argc, char** argv) {
                  "\"scores_with_run_maxima_ms\": %.5f, \"cold_copies\": %d, "
                  "\"top_k_scan_ms\": %.5f, \"top_k_two_phase_ms\": %.5f, "
                  "\"top_k_filtered_ms\": %.5f, \"top_k_filtered_with_run_maxima_ms\": %.5f, "
+                 "\"top_k_cluster_ms\": %.5f, \"top_k_cluster_with_run_maxima_ms\": %.5f, "
                  "\"total_ms\": %.5f, \"total_cold_ms\": %.5f, \"bytes\": %.0f}%s\n",
                  m.batch, m.scores_ms, m.scores_cold_ms, m.scores_maxima_ms, m.copies, m.top_k_ms,
-                 m.top_k_two_phase_ms, m.top_k_filtered_ms, m.top_k_filtered_maxima_ms, m.total_ms,
+                 m.top_k_two_phase_ms, m.top_k_filtered_ms, m.top_k_filtered_maxima_ms,
+                 m.top_k_cluster_ms, m.top_k_cluster_maxima_ms, m.total_ms,
                  m.total_cold_ms, m.bytes, i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");

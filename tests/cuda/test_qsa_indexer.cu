@@ -237,10 +237,11 @@ void run_case(const Case& cs, uint32_t seed) {
   // every method (scan, two phases with chunk candidates, filtered).
   DeviceBuffer<uint8_t> d_topk_ws(
       std::max<size_t>(1, qsa_top_k_workspace_bytes(n_rows, max_groups, cs.budget, kRatio)));
-  const QsaTopKMethod methods[3] = {QsaTopKMethod::kScan, QsaTopKMethod::kTwoPhase,
-                                    QsaTopKMethod::kFiltered};
-  const char* method_names[3] = {"", " two-phase", " filtered"};
-  for (int variant = 0; variant < 6; ++variant) {
+  const QsaTopKMethod methods[4] = {QsaTopKMethod::kScan, QsaTopKMethod::kTwoPhase,
+                                    QsaTopKMethod::kFiltered, QsaTopKMethod::kCluster};
+  const char* method_names[4] = {"", " two-phase", " filtered", " cluster"};
+  const int n_variants = qsa_top_k_cluster_available() ? 8 : 6;
+  for (int variant = 0; variant < n_variants; ++variant) {
     if (variant == 1) {  // variant 3 reuses these scores
       sa.scores = d_scores_skip.ptr;
       sa.skip_visible_at_most = k;
@@ -404,18 +405,21 @@ TEST(QsaIndexerCuda, TopKMatchesCpuOnCraftedScores) {
     const size_t ws_bytes = qsa_top_k_workspace_bytes(n_rows, max_groups, budget, kRatio);
     DeviceBuffer<uint8_t> d_ws(std::max<size_t>(1, ws_bytes));
     // Every method: scan, two phases (chunk candidates; where the rows are long enough for them
-    // it runs them), filtered.
-    // The filtered method runs with and without run maxima.
-    const QsaTopKMethod methods[4] = {QsaTopKMethod::kScan, QsaTopKMethod::kTwoPhase,
-                                      QsaTopKMethod::kFiltered, QsaTopKMethod::kFiltered};
-    const char* method_names[4] = {"", " two-phase", " filtered", " filtered with run maxima"};
-    for (int m = 0; m < 4; ++m) {
+    // it runs them), filtered, cluster (sm_90+ only).
+    // The filtered and cluster methods run with and without run maxima.
+    const QsaTopKMethod methods[6] = {QsaTopKMethod::kScan,     QsaTopKMethod::kTwoPhase,
+                                      QsaTopKMethod::kFiltered, QsaTopKMethod::kFiltered,
+                                      QsaTopKMethod::kCluster,  QsaTopKMethod::kCluster};
+    const char* method_names[6] = {"",         " two-phase", " filtered", " filtered with run maxima",
+                                   " cluster", " cluster with run maxima"};
+    const int n_methods = qsa_top_k_cluster_available() ? 6 : 4;
+    for (int m = 0; m < n_methods; ++m) {
       E4KV_CUDA_CHECK(cudaMemset(d_tokens.ptr, 0x7F, d_tokens.n * sizeof(int32_t)));
       E4KV_CUDA_CHECK(cudaMemset(d_counts.ptr, 0x7F, d_counts.n * sizeof(int32_t)));
       ta.workspace = d_ws.ptr;
       ta.method = methods[m];
-      ta.run_maxima = m == 3 ? d_run_maxima.ptr : nullptr;
-      ta.run_stride = m == 3 ? run_stride : 0;
+      ta.run_maxima = m == 3 || m == 5 ? d_run_maxima.ptr : nullptr;
+      ta.run_stride = m == 3 || m == 5 ? run_stride : 0;
       const Status st = qsa_top_k_select(ta, nullptr);
       ASSERT_TRUE(st.ok()) << st.message();
       E4KV_CUDA_CHECK(cudaDeviceSynchronize());
@@ -591,6 +595,8 @@ TEST(QsaIndexerCuda, LaunchersRejectBadShapes) {
   ta.max_groups = qsa_top_k_filtered_max_groups() + 1;
   ta.method = QsaTopKMethod::kFiltered;
   EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // rows beyond the filtered limit
+  ta.method = QsaTopKMethod::kCluster;
+  EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // the same limit
   ta.method = QsaTopKMethod::kTwoPhase;
   EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // no workspace
 }

@@ -3,11 +3,17 @@
 // indexer cache (DESIGN.md section 4, step 5).
 //
 // Bit-identical to the CPU reference (qsa/selection.h): each (row, group) is scored by one lane
-// running the reference's loops in the reference's order with __fmul_rn / __fadd_rn (no FMA
-// contraction): each head's dot product is a chain over d = 0..index_dim-1 starting from 0.0f, the
-// heads are summed in order, then one IEEE division by the host's sqrtf(index_dim). The top-k that
-// follows can therefore be compared exactly with the CPU selection. Tensor cores would be faster
-// but not bit-exact.
+// running the reference's loops in the reference's order: each head's dot product is a chain over
+// d = 0..index_dim-1 starting from 0.0f, the heads are summed in order, then one IEEE division by
+// the host's sqrtf(index_dim). The top-k that follows can therefore be compared exactly with the
+// CPU selection. The reference rounds each product, then each sum; here one FFMA does both, and
+// the results are the same bits: both factors are FP16 values widened to fp32 (11 significant bits
+// each), so the product has at most 22 significant bits and lies in [2^-48, 2^32] or is 0: fp32
+// holds it exactly, so round(a * b) = a * b and fma(a, b, c) = round(a * b + c) = the reference's
+// round(round(a * b) + c). The partial sums are multiples of 2^-48, so never fp32 subnormals
+// either (no flush-to-zero difference). Half the FP32 instructions of a multiply and an add (the
+// kernel issued 61-66% of its cycles with the pair). Tensor cores would be faster still but not
+// bit-exact (their accumulation order and rounding differ).
 //
 // Work: persistent warps. A warp tile is 64 consecutive groups of one row, two per lane (groups
 // lane and lane + 32), so each broadcast read of the query from shared memory serves two groups.
@@ -26,8 +32,8 @@
 //   Math: the row's query is widened to fp32 once per warp per row, in shared memory laid out
 // [index_dim / 8][n_heads][8] so a lane reads the 8 dims of every head at fixed offsets; the head
 // count is a template parameter, so the 2 * n_heads FADD chains of a lane have no predicates.
-// Per lane and 8 dims: 16 * n_heads FP32 instructions (FMUL + FADD, the floor), 16 FP16 -> fp32
-// widenings, 2 * n_heads broadcast 16-byte query reads and 2 row reads.
+// Per lane and 8 dims: 16 * n_heads FFMA (the floor), 16 FP16 -> fp32 widenings, 2 * n_heads
+// broadcast 16-byte query reads and 2 row reads.
 //   Groups whose block is unreadable, and groups past the row's visible count, are zero-filled
 // by the copy itself (cp.async with source size 0, so the copy loop has no branch); the latter
 // are never written. For an unreadable group every product is then +-0 or NaN, so the chain stays
@@ -266,7 +272,8 @@ struct Producer {
   }
 };
 
-// acc[h] += q_h[d..d+8) . k[d..d+8), one FMUL and one FADD per element, in dim order.
+// acc[h] += q_h[d..d+8) . k[d..d+8), one FFMA per element (exact product, see the head
+// comment), in dim order.
 // q: [n_heads][8] fp32 of these 8 dims.
 template <int kHeads>
 __device__ __forceinline__ void accumulate8(const uint4 k_a, const uint4 k_b, const float* q,
@@ -284,8 +291,8 @@ __device__ __forceinline__ void accumulate8(const uint4 k_a, const uint4 k_b, co
     float b = acc_b[h];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      a = __fadd_rn(a, __fmul_rn(q8[e], ka[e]));
-      b = __fadd_rn(b, __fmul_rn(q8[e], kb[e]));
+      a = __fmaf_rn(q8[e], ka[e], a);
+      b = __fmaf_rn(q8[e], kb[e], b);
     }
     acc_a[h] = a;
     acc_b[h] = b;

@@ -430,10 +430,11 @@ struct SelectShared {
 // A digit that every valid key shares (found from the OR and AND of all keys first) takes no
 // histogram pass: scores near one another share their top bytes, and a pass where all keys fall
 // into one bin is the slowest kind (every warp's atomic lands on the same word).
-// Contains block barriers: every thread of the block (kFilterThreads) must call it.
-template <class ForEachKey>
+// Contains block barriers: every thread of the block (kThreads, 256..1024) must call it.
+template <int kThreads = kFilterThreads, class ForEachKey>
 __device__ void block_radix_select(ForEachKey for_each_key, uint32_t rank, int last_shift,
                                    SelectShared& sh, uint32_t& threshold, uint32_t& ties) {
+  static_assert(kThreads >= kBins && kThreads <= kFilterThreads && kThreads % 32 == 0);
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   uint32_t any = 0u;
@@ -454,8 +455,8 @@ __device__ void block_radix_select(ForEachKey for_each_key, uint32_t rank, int l
     sh.warp_all[tid >> 5] = all;
   }
   __syncthreads();
-  any = sh.warp_any[lane];
-  all = sh.warp_all[lane];
+  any = lane < kThreads / 32 ? sh.warp_any[lane] : 0u;
+  all = lane < kThreads / 32 ? sh.warp_all[lane] : ~0u;
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     any |= __shfl_xor_sync(kFullMask, any, offset);
@@ -521,9 +522,9 @@ __device__ __forceinline__ void load_run(const float* scores, int32_t j, int32_t
 }
 
 // The rank-th largest (rank >= 1) of the warp's keys (slots 0 .. n_slots - 1 of every lane; the
-// same n_slots in every lane), cut to its leading bits: a bitwise radix over ballots, from the
-// highest bit where the warp's keys differ, for at most `bits` bits; the lower bits are zero,
-// which only lowers the result. The warp must hold at least `rank` keys.
+// same n_slots in every lane; key 0 is no key), cut to its leading bits: a bitwise radix over
+// ballots, from the highest bit where the warp's keys differ, for at most `bits` bits; the lower
+// bits are zero, which only lowers the result. The warp must hold at least `rank` nonzero keys.
 template <int kSlots>
 __device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlots], int n_slots,
                                                      uint32_t rank, int bits) {
@@ -531,7 +532,7 @@ __device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlo
   uint32_t all = ~0u;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
-    if (s < n_slots) {
+    if (s < n_slots && keys[s] != 0u) {  // absent keys would widen the bits that differ
       any |= keys[s];
       all &= keys[s];
     }
@@ -541,6 +542,7 @@ __device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlo
     any |= __shfl_xor_sync(kFullMask, any, offset);
     all &= __shfl_xor_sync(kFullMask, all, offset);
   }
+  if (any == 0u) return 0u;  // no keys
   const uint32_t differ = any ^ all;
   if (differ == 0u) return all;  // every key is the same
   const int top = 31 - __clz(int(differ));
@@ -565,9 +567,11 @@ __device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlo
   return prefix;
 }
 
-// Exclusive block-wide scan of two counters at once (totals < 2^32 each).
+// Exclusive block-wide scan of two counters at once (totals < 2^32 each) over kThreads threads.
+template <int kThreads = kFilterThreads>
 __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
                                                       uint2* warp_totals) {
+  constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const uint32_t ia = warp_inclusive_scan(a, lane);
@@ -575,14 +579,64 @@ __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
   if (lane == 31) warp_totals[warp] = make_uint2(ia, ib);
   __syncthreads();
   if (warp == 0) {
-    const uint2 t = lane < kFilterWarps ? warp_totals[lane] : make_uint2(0u, 0u);
+    const uint2 t = lane < kWarps ? warp_totals[lane] : make_uint2(0u, 0u);
     const uint32_t sa = warp_inclusive_scan(t.x, lane);
     const uint32_t sb = warp_inclusive_scan(t.y, lane);
-    if (lane < kFilterWarps) warp_totals[lane] = make_uint2(sa - t.x, sb - t.y);
+    if (lane < kWarps) warp_totals[lane] = make_uint2(sa - t.x, sb - t.y);
   }
   __syncthreads();
   a = ia - a + warp_totals[warp].x;
   b = ib - b + warp_totals[warp].y;
+}
+
+// Ordered emission from two bitmaps over groups group_base + 32w + bit (w < n_words): `above`
+// (score > T) and `equal` (score == T). above_base / equal_base: the groups above T / equal to T
+// before group_base (other CTAs' slices). Thread t scans a contiguous range of words; one block
+// scan of their popcounts gives the rank of its first group; each selected group's ratio tokens go
+// to out at its rank, ties at T taken from the lowest index (the first `ties` equal groups of the
+// row). Contains block barriers: every thread of the block (kThreads) must call it.
+template <int kThreads = kFilterThreads>
+__device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
+                                                  const uint32_t* equal_bits, int32_t n_words,
+                                                  int32_t group_base, uint32_t above_base,
+                                                  uint32_t equal_base, uint32_t ties, int32_t ratio,
+                                                  uint2* warp_totals, int32_t* out) {
+  const int tid = threadIdx.x;
+  const int32_t words_per_thread = (n_words + kThreads - 1) / kThreads;
+  const int32_t w_begin = tid * words_per_thread;
+  const int32_t w_end = w_begin + words_per_thread < n_words ? w_begin + words_per_thread : n_words;
+  uint32_t above_before = 0u;
+  uint32_t equal_before = 0u;
+  for (int32_t w = w_begin; w < w_end; ++w) {
+    above_before += uint32_t(__popc(above_bits[w]));
+    equal_before += uint32_t(__popc(equal_bits[w]));
+  }
+  block_exclusive_scan2<kThreads>(above_before, equal_before, warp_totals);
+  above_before += above_base;
+  equal_before += equal_base;
+  uint32_t slot = above_before + (equal_before < ties ? equal_before : ties);
+  for (int32_t w = w_begin; w < w_end; ++w) {
+    const uint32_t equal = equal_bits[w];
+    uint32_t taken = 0u;
+    if (equal_before < ties) {
+      const uint32_t need = ties - equal_before;
+      taken = equal;
+      if (uint32_t(__popc(equal)) > need) {  // the lowest `need` set bits
+        uint32_t rest = equal;
+        for (uint32_t i = 0; i < need; ++i) rest &= rest - 1u;
+        taken = equal ^ rest;
+      }
+    }
+    equal_before += uint32_t(__popc(equal));
+    uint32_t chosen = above_bits[w] | taken;
+    while (chosen != 0u) {
+      const int bit = __ffs(chosen) - 1;
+      chosen &= chosen - 1u;
+      const int32_t group = group_base + w * 32 + bit;
+      for (int32_t i = 0; i < ratio; ++i) out[int32_t(slot) * ratio + i] = group * ratio + i;
+      ++slot;
+    }
+  }
 }
 
 // kRunsPerThread: the most runs a thread owns (rows up to kFilterThreads * kRunsPerThread * kRun
@@ -796,40 +850,7 @@ __global__ void __launch_bounds__(kFilterThreads)
       }
     }
     __syncthreads();
-    const int32_t words_per_thread = (n_words + kFilterThreads - 1) / kFilterThreads;
-    const int32_t w_begin = tid * words_per_thread;
-    const int32_t w_end =
-        w_begin + words_per_thread < n_words ? w_begin + words_per_thread : n_words;
-    uint32_t above_before = 0u;
-    uint32_t equal_before = 0u;
-    for (int32_t w = w_begin; w < w_end; ++w) {
-      above_before += uint32_t(__popc(above_bits[w]));
-      equal_before += uint32_t(__popc(equal_bits[w]));
-    }
-    block_exclusive_scan2(above_before, equal_before, warp_totals);
-    uint32_t slot = above_before + (equal_before < ties ? equal_before : ties);
-    for (int32_t w = w_begin; w < w_end; ++w) {
-      const uint32_t equal = equal_bits[w];
-      uint32_t taken = 0u;
-      if (equal_before < ties) {
-        const uint32_t need = ties - equal_before;
-        taken = equal;
-        if (uint32_t(__popc(equal)) > need) {  // the lowest `need` set bits
-          uint32_t rest = equal;
-          for (uint32_t i = 0; i < need; ++i) rest &= rest - 1u;
-          taken = equal ^ rest;
-        }
-      }
-      equal_before += uint32_t(__popc(equal));
-      uint32_t chosen = above_bits[w] | taken;
-      while (chosen != 0u) {
-        const int bit = __ffs(chosen) - 1;
-        chosen &= chosen - 1u;
-        const int32_t group = w * 32 + bit;
-        for (int32_t i = 0; i < ratio; ++i) out[int32_t(slot) * ratio + i] = group * ratio + i;
-        ++slot;
-      }
-    }
+    emit_from_bitmaps(above_bits, equal_bits, n_words, 0, 0u, 0u, ties, ratio, warp_totals, out);
   }
 
   // Causal tail, then -1 padding.
@@ -840,6 +861,477 @@ __global__ void __launch_bounds__(kFilterThreads)
     out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
   }
   if (tid == 0) p.sel_counts[row] = count;
+}
+
+// ---- Cluster method (sm_90+) ------------------------------------------------------------------
+// The filtered method's steps spread over a thread-block cluster of kClusterCtas CTAs per row
+// (512 threads each), which share their candidates through distributed shared memory. The
+// filtered kernel is issue-bound on one SM; here every step that loops over the row's runs or
+// groups divides by the cluster's SMs, and the exact select runs over the candidates only.
+// Global warp g = rank * 16 + warp owns runs [g * rpw, (g + 1) * rpw), rpw = ceil(n_runs / 128),
+// lane l the runs g * rpw + l + 32 s; CTA `rank` owns the contiguous slice of its warps' runs.
+//  1. Bound: the run maxima go to shared memory; 4 "bound warps" per CTA each take a quarter of
+//     the CTA's slice (4 rpw runs). Each of the P = min(32, floor(n_runs / (4 rpw))) bound warps
+//     whose quarter lies wholly inside the row finds the q-th largest of its maxima (q =
+//     ceil(k / P), 12 leading bits, warp_rank_prefix); L = the smallest over the cluster, so P * q
+//     >= k runs, hence >= k distinct groups, have a maximum >= L, and L <= T. (q > 4 rpw: L = 0,
+//     every group is a candidate.) Fewer, larger samples than one bound per warp: the smallest of
+//     32 estimates of the top-k/n_runs quantile of ~128 maxima each is much closer to T than the
+//     smallest of 128 estimates from 32 maxima each (measured: about 3x fewer candidates). Each
+//     CTA publishes its smallest bound and its largest run maximum; one cluster barrier; each
+//     warp reads the 8 pairs.
+//  2. Candidates: the groups >= L of the CTA's open runs go to its shared memory (key, group);
+//     one cluster barrier; every CTA copies all CTAs' candidates (m <= kClusterCandidates of them)
+//     in CTA order into its own shared memory, then arrives on a cluster barrier that it waits on
+//     only before it exits (its candidates must stay readable until every CTA has copied them).
+//  3. Exact select, in every CTA alike (no further exchange): a 2048-bin histogram of the keys in
+//     [lo, hi] (first L .. the largest maximum) finds the bin of the rank-th largest key; a bin of
+//     one key value, or of at most kClusterDirectRank keys (ranked by direct comparison), ends it,
+//     else the bin becomes the next [lo, hi] with 11 fewer bits per bin.
+//  4. Emission: the candidates of earlier CTAs above T and equal to T give the CTA's base ranks;
+//     bitmaps of the CTA's slice from its own candidates; emit_from_bitmaps.
+// More than kClusterCandidates candidates (heavy ties at L, or L = 0 on long rows): every CTA runs
+// the filtered kernel's streaming select over the whole row and streams its slice and the groups
+// before it (same results, slower).
+constexpr int kClusterCtas = 8;
+constexpr int kClusterThreads = 512;
+constexpr int kClusterWarps = kClusterThreads / 32;
+constexpr int kClusterWarpsTotal = kClusterCtas * kClusterWarps;  // 128
+constexpr int kBoundWarps = 4;                                     // per CTA
+constexpr int kClusterCandidates = 4096;
+constexpr int kClusterBins = 2048;
+[[maybe_unused]] constexpr int kClusterBinBits = 11;  // bits of a histogram bin index
+constexpr int kClusterDirectRank = kClusterThreads;
+constexpr int kClusterShortSlots = 1;  // runs per lane: rows up to 32768 groups
+constexpr int kClusterLongSlots = 4;   // rows up to 131072 groups
+constexpr int kClusterMaxSliceRuns = kClusterWarps * 32 * kClusterLongSlots;  // 2048
+constexpr int kClusterSliceWords = kClusterMaxSliceRuns * kRun / 32;          // 512
+// Dynamic shared memory: own candidates (keys, groups), all candidates (keys, groups; the run
+// maxima of step 1 before them), the histogram (later the keys of the last bin), the slice's two
+// bitmaps.
+constexpr size_t kClusterSmemBytes =
+    (4 * size_t(kClusterCandidates) + kClusterBins + 2 * kClusterSliceWords) * sizeof(uint32_t);
+static_assert(kClusterBins % kClusterThreads == 0 && kClusterDirectRank <= kClusterBins);
+static_assert(kClusterMaxSliceRuns <= kClusterCandidates);
+static_assert(kClusterThreads >= kBins && kClusterWarps >= kBoundWarps);
+static_assert(kClusterWarps * 32 * kClusterShortSlots * kRun * kClusterCtas == 32768);
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // cluster instructions: sm_90+
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// The shared::cluster address of `local` (a shared-memory variable of this CTA) in CTA `rank`.
+__device__ __forceinline__ uint32_t peer_address(const void* local, uint32_t rank) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(local));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ uint32_t load_peer_u32(uint32_t remote) {
+  uint32_t value;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(value) : "r"(remote) : "memory");
+  return value;
+}
+
+#endif
+
+template <int kSlots>
+__global__ void __launch_bounds__(kClusterThreads)
+    qsa_top_k_cluster_kernel(const __grid_constant__ FilterKernelParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kBoundSlots = 4 * kSlots;  // a bound warp's runs per lane: 4 rpw / 32
+  extern __shared__ __align__(16) uint32_t cluster_smem[];
+  uint32_t* own_keys = cluster_smem;
+  int32_t* own_groups = reinterpret_cast<int32_t*>(own_keys + kClusterCandidates);
+  uint32_t* all_keys = own_keys + 2 * kClusterCandidates;
+  int32_t* all_groups = reinterpret_cast<int32_t*>(all_keys + kClusterCandidates);
+  uint32_t* maxima_s = all_keys;  // step 1 only: the slice's run maxima (local run order)
+  uint32_t* hist = all_keys + 2 * kClusterCandidates;
+  uint32_t* above_bits = hist + kClusterBins;
+  uint32_t* equal_bits = above_bits + kClusterSliceWords;
+  __shared__ uint32_t published[3];  // the CTA's bound, largest run maximum, candidate count
+  __shared__ uint32_t warp_bound[kBoundWarps];
+  __shared__ uint32_t warp_top[kClusterWarps];
+  __shared__ SelectShared sel;
+  __shared__ uint2 warp_totals[kClusterWarps];
+  __shared__ uint32_t n_own_s;
+  __shared__ uint32_t n_bin_s;
+  __shared__ uint32_t base_s[2];  // groups above T / equal to T in earlier slices
+  __shared__ uint32_t found[3];   // bin, rank within it, its count (then T, ties)
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const uint32_t rank = cluster_rank();
+  const int64_t row = blockIdx.x / kClusterCtas;
+  const int32_t seq = p.row_seq[row];
+  const int32_t pos = p.row_pos[row];
+  const int32_t ratio = p.ratio;
+  const int32_t causal = (pos + 1) / ratio;
+  const int32_t written = p.seq_lens[seq] / ratio;
+  int32_t visible = causal < written ? causal : written;
+  if (visible > p.max_groups) visible = int32_t(p.max_groups);
+  if (visible < 0) visible = 0;
+  int32_t* out = p.sel_tokens + row * p.width;
+  const float* scores = p.scores + row * p.max_groups;
+
+  int32_t n_groups;
+  if (visible <= p.k) {  // the same in every CTA of the cluster: no cluster barrier on this path
+    if (rank != 0) return;
+    n_groups = visible;
+    for (int32_t j = tid; j < n_groups * ratio; j += kClusterThreads) out[j] = j;
+  } else {
+    n_groups = p.k;
+    if (tid == 0) {
+      n_own_s = 0u;
+      base_s[0] = base_s[1] = 0u;
+    }
+    const int32_t n_runs = (visible + kRun - 1) / kRun;
+    const int32_t rpw = (n_runs + kClusterWarpsTotal - 1) / kClusterWarpsTotal;
+    const int32_t slice_runs = kClusterWarps * rpw;
+    const int32_t slice_first = int32_t(rank) * slice_runs;  // first run of the CTA
+    const int32_t slice_group_begin = min(slice_first * kRun, visible);
+    const int32_t slice_group_end = min((slice_first + slice_runs) * kRun, visible);
+    const bool aligned = (reinterpret_cast<uintptr_t>(scores) & 15u) == 0u;  // uniform
+    // Local run (within the slice) of the lane's slot s, and whether it is a run of the row.
+    auto local_run = [&](int s) { return warp * rpw + lane + 32 * s; };
+    auto run_valid = [&](int s) {
+      return lane + 32 * s < rpw && slice_first + local_run(s) < n_runs;
+    };
+
+    // 1. Run maxima (to shared memory and registers), the bound warps' bounds, the CTA's
+    //    (bound, largest maximum), then the cluster's.
+    uint32_t run_max[kSlots];
+    uint32_t top = 0u;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int32_t j = slice_first + local_run(s);
+      uint32_t m = 0u;
+      if (run_valid(s)) {
+        if (p.run_maxima != nullptr) {
+          m = order_key(__ldg(p.run_maxima + row * p.run_stride + j));
+        } else {
+          uint32_t keys[kRun];
+          load_run(scores, j, visible, aligned, keys);
+#pragma unroll
+          for (int i = 0; i < kRun; ++i) m = keys[i] > m ? keys[i] : m;
+        }
+      }
+      run_max[s] = m;
+      if (lane + 32 * s < rpw) maxima_s[local_run(s)] = m;
+      top = m > top ? m : top;
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const uint32_t other = __shfl_xor_sync(kFullMask, top, offset);
+      top = other > top ? other : top;
+    }
+    if (lane == 0) warp_top[warp] = top;
+    const int32_t quarter = 4 * rpw;  // runs of a bound warp
+    const int32_t n_full = min(kClusterCtas * kBoundWarps, n_runs / quarter);
+    const int32_t q = n_full > 0 ? (p.k + n_full - 1) / n_full : 0;
+    const bool bounded = n_full > 0 && q <= quarter;  // uniform over the cluster
+    __syncthreads();
+    if (warp < kBoundWarps) {
+      uint32_t bound = ~0u;  // a quarter that is not wholly inside the row has no say in L
+      if (bounded && int32_t(rank) * kBoundWarps + warp < n_full) {
+        uint32_t keys[kBoundSlots];
+#pragma unroll
+        for (int s = 0; s < kBoundSlots; ++s) {
+          const int32_t i = lane + 32 * s;
+          keys[s] = i < quarter ? maxima_s[warp * quarter + i] : 0u;
+        }
+        bound = warp_rank_prefix<kBoundSlots>(keys, kBoundSlots, uint32_t(q), kBoundBits);
+      }
+      if (lane == 0) warp_bound[warp] = bound;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      uint32_t b = lane < kBoundWarps ? warp_bound[lane] : ~0u;
+      uint32_t t = lane < kClusterWarps ? warp_top[lane] : 0u;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const uint32_t ob = __shfl_xor_sync(kFullMask, b, offset);
+        const uint32_t ot = __shfl_xor_sync(kFullMask, t, offset);
+        b = ob < b ? ob : b;
+        t = ot > t ? ot : t;
+      }
+      if (lane == 0) published[0] = b, published[1] = t;
+    }
+    cluster_arrive();
+    cluster_wait();
+    uint32_t floor_key = ~0u;
+    uint32_t top_key = 0u;
+    if (lane < kClusterCtas) {
+      floor_key = load_peer_u32(peer_address(&published[0], uint32_t(lane)));
+      top_key = load_peer_u32(peer_address(&published[1], uint32_t(lane)));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const uint32_t ob = __shfl_xor_sync(kFullMask, floor_key, offset);
+      const uint32_t ot = __shfl_xor_sync(kFullMask, top_key, offset);
+      floor_key = ob < floor_key ? ob : floor_key;
+      top_key = ot > top_key ? ot : top_key;
+    }
+    if (!bounded) floor_key = 0u;
+
+    // 2. The CTA's candidates, then everyone's.
+    {
+      uint32_t keys[kSlots][kRun];
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (run_valid(s) && run_max[s] >= floor_key) {
+          load_run(scores, slice_first + local_run(s), visible, aligned, keys[s]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kRun; ++i) keys[s][i] = 0u;
+        }
+      }
+      uint32_t n_take = 0u;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) n_take += keys[s][i] != 0u && keys[s][i] >= floor_key;
+      }
+      const uint32_t inclusive = warp_inclusive_scan(n_take, lane);
+      uint32_t base = 0u;
+      if (lane == 31 && inclusive > 0u) base = atomicAdd(&n_own_s, inclusive);
+      uint32_t slot = __shfl_sync(kFullMask, base, 31) + inclusive - n_take;
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+#pragma unroll
+        for (int i = 0; i < kRun; ++i) {
+          if (keys[s][i] != 0u && keys[s][i] >= floor_key) {
+            if (slot < uint32_t(kClusterCandidates)) {
+              own_keys[slot] = keys[s][i];
+              own_groups[slot] = (slice_first + local_run(s)) * kRun + i;
+            }
+            ++slot;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (tid == 0) published[2] = n_own_s;
+    cluster_arrive();
+    cluster_wait();
+    // Every warp: the CTAs' counts (lane c < 8 holds CTA c's) and offsets.
+    const uint32_t count =
+        lane < kClusterCtas ? load_peer_u32(peer_address(&published[2], uint32_t(lane))) : 0u;
+    const uint32_t count_end = warp_inclusive_scan(count, lane);
+    const uint32_t n_cand = __shfl_sync(kFullMask, count_end, kClusterCtas - 1);
+    const uint32_t own_offset = __shfl_sync(kFullMask, count_end - count, int(rank));
+    const bool in_shared = n_cand <= uint32_t(kClusterCandidates);  // uniform over the cluster
+    if (in_shared) {
+      uint32_t ends[kClusterCtas];
+#pragma unroll
+      for (int c = 0; c < kClusterCtas; ++c) ends[c] = __shfl_sync(kFullMask, count_end, c);
+      // Two candidates per thread and round, their four remote loads issued together.
+      for (uint32_t i0 = uint32_t(tid); i0 < n_cand; i0 += 2 * kClusterThreads) {
+        uint32_t key[2];
+        uint32_t group[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t i = i0 + uint32_t(h * kClusterThreads);
+          const uint32_t at = i < n_cand ? i : 0u;
+          uint32_t c = 0u;
+#pragma unroll
+          for (int d = 0; d < kClusterCtas - 1; ++d) c += at >= ends[d] ? 1u : 0u;
+          const uint32_t local = at - (c == 0u ? 0u : ends[c - 1]);
+          key[h] = load_peer_u32(peer_address(own_keys + local, c));
+          group[h] = load_peer_u32(peer_address(own_groups + local, c));
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t i = i0 + uint32_t(h * kClusterThreads);
+          if (i < n_cand) all_keys[i] = key[h], all_groups[i] = int32_t(group[h]);
+        }
+      }
+    }
+    cluster_arrive();  // done with the other CTAs' shared memory; waited on before the exit
+    __syncthreads();
+
+    // Streams groups [begin, end) of the row (thread t: begin + t, + 512, ...), kFilterUnroll
+    // loads in flight; calls f(key, valid, group) warp-uniformly. The overflow path only.
+    auto stream_groups = [&](int32_t begin, int32_t end, auto&& f) {
+      for (int32_t base = begin; base < end; base += kClusterThreads * kFilterUnroll) {
+        uint32_t keys[kFilterUnroll];
+#pragma unroll
+        for (int u = 0; u < kFilterUnroll; ++u) {
+          const int32_t c = base + u * kClusterThreads + tid;
+          keys[u] = c < end ? order_key(__ldg(scores + c)) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < kFilterUnroll; ++u) {
+          const int32_t c = base + u * kClusterThreads + tid;
+          f(keys[u], c < end, c);
+        }
+      }
+    };
+
+    // 3. T and the ties to take.
+    uint32_t threshold;
+    uint32_t ties;
+    if (in_shared) {
+      constexpr int kBinsPerThread = kClusterBins / kClusterThreads;
+      uint32_t lo = floor_key;
+      uint32_t hi = top_key;
+      uint32_t want = uint32_t(p.k);  // rank of T among the keys in [lo, hi]
+      int shift = 32 - __clz(int(hi - lo)) - kClusterBinBits;
+      shift = shift > 0 ? shift : 0;
+      for (;;) {
+#pragma unroll
+        for (int b = 0; b < kBinsPerThread; ++b) hist[b * kClusterThreads + tid] = 0u;
+        __syncthreads();
+        for (uint32_t i = uint32_t(tid); i < n_cand; i += kClusterThreads) {
+          const uint32_t key = all_keys[i];
+          if (key >= lo && key <= hi) atomicAdd(&hist[(key - lo) >> shift], 1u);
+        }
+        __syncthreads();
+        // Thread t: kBinsPerThread bins from the top, the highest first.
+        uint32_t counts[kBinsPerThread];
+        uint32_t mine = 0u;
+#pragma unroll
+        for (int j = 0; j < kBinsPerThread; ++j) {
+          counts[j] = hist[kClusterBins - 1 - kBinsPerThread * tid - j];
+          mine += counts[j];
+        }
+        uint32_t before = mine;
+        uint32_t unused = 0u;
+        block_exclusive_scan2<kClusterThreads>(before, unused, warp_totals);
+        if (before < want && before + mine >= want) {
+#pragma unroll
+          for (int j = 0; j < kBinsPerThread; ++j) {
+            if (before < want && before + counts[j] >= want) {
+              found[0] = uint32_t(kClusterBins - 1 - kBinsPerThread * tid - j);
+              found[1] = want - before;
+              found[2] = counts[j];
+              n_bin_s = 0u;
+            }
+            before += counts[j];
+          }
+        }
+        __syncthreads();
+        const uint32_t bin = found[0];
+        want = found[1];
+        const uint32_t in_bin = found[2];
+        lo += bin << shift;
+        const uint64_t bin_hi = uint64_t(lo) + ((uint64_t(1) << shift) - 1u);
+        hi = bin_hi < uint64_t(hi) ? uint32_t(bin_hi) : hi;
+        if (shift == 0) {  // one key value
+          threshold = lo;
+          ties = want;
+          break;
+        }
+        if (in_bin <= uint32_t(kClusterDirectRank)) {
+          // The bin's keys side by side (in the histogram's place), each ranked by comparison.
+          for (uint32_t i = uint32_t(tid); i < n_cand; i += kClusterThreads) {
+            const uint32_t key = all_keys[i];
+            if (key >= lo && key <= hi) hist[atomicAdd(&n_bin_s, 1u)] = key;
+          }
+          __syncthreads();
+          if (uint32_t(tid) < in_bin) {
+            const uint32_t key = hist[tid];
+            uint32_t greater = 0u;
+            uint32_t equal = 0u;
+            for (uint32_t j = 0; j < in_bin; ++j) {
+              const uint32_t other = hist[j];
+              greater += other > key ? 1u : 0u;
+              equal += other == key ? 1u : 0u;
+            }
+            if (greater < want && want <= greater + equal) {  // key is T (same values if many)
+              found[0] = key;
+              found[1] = want - greater;
+            }
+          }
+          __syncthreads();
+          threshold = found[0];
+          ties = found[1];
+          break;
+        }
+        shift = shift > kClusterBinBits ? shift - kClusterBinBits : 0;
+      }
+    } else {
+      block_radix_select<kClusterThreads>(
+          [&](auto&& f) {
+            stream_groups(0, visible, [&](uint32_t key, bool valid, int32_t) {
+              f(key, valid && key >= floor_key);
+            });
+          },
+          uint32_t(p.k), 0, sel, threshold, ties);
+    }
+
+    // 4. Base ranks from the earlier slices, the slice's bitmaps, emission.
+    uint32_t above = 0u;
+    uint32_t equal = 0u;
+    if (in_shared) {
+      for (uint32_t i = uint32_t(tid); i < own_offset; i += kClusterThreads) {
+        above += all_keys[i] > threshold ? 1u : 0u;
+        equal += all_keys[i] == threshold ? 1u : 0u;
+      }
+    } else {
+      stream_groups(0, slice_group_begin, [&](uint32_t key, bool valid, int32_t) {
+        above += valid && key > threshold ? 1u : 0u;
+        equal += valid && key == threshold ? 1u : 0u;
+      });
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      above += __shfl_xor_sync(kFullMask, above, offset);
+      equal += __shfl_xor_sync(kFullMask, equal, offset);
+    }
+    if (lane == 0 && (above | equal) != 0u) {
+      atomicAdd(&base_s[0], above);
+      atomicAdd(&base_s[1], equal);
+    }
+    const int32_t n_words =
+        slice_group_end > slice_group_begin ? (slice_group_end - slice_group_begin + 31) / 32 : 0;
+    for (int32_t w = tid; w < n_words; w += kClusterThreads) above_bits[w] = equal_bits[w] = 0u;
+    __syncthreads();
+    if (in_shared) {
+      const uint32_t n_own = n_own_s;  // <= n_cand
+      for (uint32_t i = uint32_t(tid); i < n_own; i += kClusterThreads) {
+        const uint32_t key = own_keys[i];
+        if (key >= threshold) {
+          const int32_t bit = own_groups[i] - slice_group_begin;
+          atomicOr(&(key > threshold ? above_bits : equal_bits)[bit / 32], 1u << (bit % 32));
+        }
+      }
+    } else {
+      for (int32_t base = slice_group_begin; base < slice_group_end; base += kClusterThreads) {
+        const int32_t c = base + tid;
+        const bool valid = c < slice_group_end;
+        const uint32_t key = valid ? order_key(__ldg(scores + c)) : 0u;
+        const unsigned a = __ballot_sync(kFullMask, valid && key > threshold);
+        const unsigned e = __ballot_sync(kFullMask, valid && key == threshold);
+        const int32_t w = (base - slice_group_begin) / 32 + warp;
+        if (lane == 0 && w < n_words) above_bits[w] = a, equal_bits[w] = e;
+      }
+    }
+    __syncthreads();
+    emit_from_bitmaps<kClusterThreads>(above_bits, equal_bits, n_words, slice_group_begin,
+                                       base_s[0], base_s[1], ties, ratio, warp_totals, out);
+    cluster_wait();
+    if (rank != 0) return;
+  }
+
+  // Causal tail, then -1 padding (the first CTA of the cluster).
+  const int32_t tail_begin = ratio * causal;
+  const int32_t group_tokens = n_groups * ratio;
+  const int32_t count = group_tokens + (pos + 1 - tail_begin);
+  for (int32_t j = group_tokens + tid; j < p.width; j += kClusterThreads) {
+    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
+  }
+  if (tid == 0) p.sel_counts[row] = count;
+#endif
 }
 
 // The filtered kernel's dynamic shared memory is above the 48 KB default: opt in once per device.
@@ -858,7 +1350,43 @@ void allow_filter_shared_memory() {
   done.push_back(device);
 }
 
+// Whether the current device launches thread-block clusters (sm_90+), and the cluster kernels'
+// shared-memory opt-in, once per device.
+bool cluster_top_k_usable() {
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<std::pair<int, bool>> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [d, usable] : known) {
+    if (d == device) return usable;
+  }
+  int cluster_launch = 0;
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device));
+  bool usable = cluster_launch != 0;
+  if (usable) {
+    // This binary may lack sm_90 code (the kernel compiled for an older architecture is an empty
+    // shell): the code the device loads must come from compute_90 or later.
+    cudaFuncAttributes attrs{};
+    E4KV_CUDA_CHECK(cudaFuncGetAttributes(&attrs, qsa_top_k_cluster_kernel<kClusterShortSlots>));
+    usable = attrs.ptxVersion >= 90;
+  }
+  if (usable) {
+    for (auto kernel : {qsa_top_k_cluster_kernel<kClusterShortSlots>,
+                        qsa_top_k_cluster_kernel<kClusterLongSlots>}) {
+      E4KV_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(kClusterSmemBytes)));
+    }
+  }
+  known.emplace_back(device, usable);
+  return usable;
+}
+
 }  // namespace
+
+bool qsa_top_k_cluster_available() {
+  return cluster_top_k_usable();
+}
 
 int64_t qsa_top_k_filtered_max_groups() {
   return int64_t(kFilterMaxWords) * 32;
@@ -894,24 +1422,36 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     return Status::error("qsa_top_k_select: a required device pointer is null");
   }
   QsaTopKMethod method = args.method;
+  const bool filter_fits = args.max_groups <= qsa_top_k_filtered_max_groups();
   if (method == QsaTopKMethod::kAuto) {
-    method = args.max_groups <= qsa_top_k_filtered_max_groups() ? QsaTopKMethod::kFiltered
-             : args.workspace != nullptr                        ? QsaTopKMethod::kTwoPhase
-                                                                : QsaTopKMethod::kScan;
+    method = filter_fits && args.rows.n_rows < (int64_t(1) << 28) && cluster_top_k_usable()
+                 ? QsaTopKMethod::kCluster
+             : filter_fits               ? QsaTopKMethod::kFiltered
+             : args.workspace != nullptr ? QsaTopKMethod::kTwoPhase
+                                         : QsaTopKMethod::kScan;
   }
-  if (method == QsaTopKMethod::kFiltered) {
-    if (args.max_groups > qsa_top_k_filtered_max_groups()) {
+  if (method == QsaTopKMethod::kFiltered || method == QsaTopKMethod::kCluster) {
+    if (!filter_fits) {
       return Status::error(cat("qsa_top_k_select: max_groups ", args.max_groups,
-                               " exceeds the filtered method's limit of ",
+                               " exceeds the filtered and cluster methods' limit of ",
                                qsa_top_k_filtered_max_groups(),
                                " groups; use QsaTopKMethod::kAuto"));
+    }
+    if (method == QsaTopKMethod::kCluster && args.rows.n_rows >= (int64_t(1) << 28)) {
+      return Status::error(cat("qsa_top_k_select: n_rows ", args.rows.n_rows,
+                               " is too many for the cluster method (8 CTAs per row, < 2^28)"));
+    }
+    if (method == QsaTopKMethod::kCluster && !cluster_top_k_usable()) {
+      return Status::error(
+          "qsa_top_k_select: the cluster method needs an sm_90+ device and sm_90 code in this "
+          "build; use QsaTopKMethod::kAuto");
     }
     if (args.run_maxima != nullptr &&
         args.run_stride < (args.max_groups + kQsaRunGroups - 1) / kQsaRunGroups) {
       return Status::error(cat("qsa_top_k_select: run_stride ", args.run_stride,
                                " is below ceil(max_groups / ", kQsaRunGroups, ")"));
     }
-    allow_filter_shared_memory();
+    if (method == QsaTopKMethod::kFiltered) allow_filter_shared_memory();
     FilterKernelParams fp{};
     fp.row_seq = args.rows.row_seq;
     fp.row_pos = args.rows.row_pos;
@@ -925,6 +1465,26 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     fp.run_stride = args.run_stride;
     fp.sel_tokens = args.sel_tokens;
     fp.sel_counts = args.sel_counts;
+    if (method == QsaTopKMethod::kCluster) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(unsigned(args.rows.n_rows * kClusterCtas));
+      config.blockDim = dim3(kClusterThreads);
+      config.dynamicSmemBytes = kClusterSmemBytes;
+      config.stream = stream;
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = kClusterCtas;
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      const auto kernel =
+          args.max_groups <= int64_t(kClusterWarpsTotal) * 32 * kClusterShortSlots * kRun
+              ? qsa_top_k_cluster_kernel<kClusterShortSlots>
+              : qsa_top_k_cluster_kernel<kClusterLongSlots>;
+      E4KV_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, fp));
+      return ok_status();
+    }
     const auto kernel = args.max_groups <= int64_t(kFilterThreads) * kFilterShortRuns * kRun
                             ? qsa_top_k_filtered_kernel<kFilterShortRuns>
                             : qsa_top_k_filtered_kernel<kFilterLongRuns>;

@@ -15,11 +15,14 @@ namespace e4kv::cuda {
 
 // How qsa_top_k_select finds each row's top-k; every method gives identical results.
 enum class QsaTopKMethod {
-  kAuto,      // kFiltered when max_groups <= qsa_top_k_filtered_max_groups(), else kTwoPhase with a
-              // workspace, else kScan
+  kAuto,      // when max_groups <= qsa_top_k_filtered_max_groups(): kCluster where available, else
+              // kFiltered; longer rows: kTwoPhase with a workspace, else kScan
   kFiltered,  // one CTA per row: a lower bound from the run maxima (per warp, then the block
               // minimum), a select among the keys above it in shared memory, ordered emission from
               // bitmaps (max_groups <= limit)
+  kCluster,   // the filtered steps spread over a cluster of 8 CTAs per row that share candidates
+              // through distributed shared memory (sm_90+, qsa_top_k_cluster_available();
+              // max_groups <= the filtered limit)
   kTwoPhase,  // chunk candidates with many CTAs per row, then one CTA per row (needs workspace)
   kScan,      // one CTA per row, radix passes over the whole row
 };
@@ -51,6 +54,9 @@ struct QsaTopKArgs {
   QsaTopKMethod method = QsaTopKMethod::kAuto;
 };
 
+// Whether kCluster runs on the current device: sm_90+ and sm_90 code in this build.
+bool qsa_top_k_cluster_available();
+
 // Bytes of the candidate workspace for these sizes; 0 when the two-phase path would not shrink the
 // rows (short contexts), so no workspace is needed.
 size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget, int64_t ratio);
@@ -59,11 +65,13 @@ size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t bud
 // takes every visible group without reading scores, otherwise the groups scoring strictly above
 // the k-th score and then the lowest-index groups equal to it; groups in increasing index, each
 // expanded to ratio tokens, then the causal tail ratio * ((pos + 1) / ratio) .. pos, then -1.
-// The method is chosen as QsaTopKMethod says; kFiltered is the fast one (see qsa_topk.cu).
+// The method is chosen as QsaTopKMethod says; kCluster, then kFiltered, are the fast ones (see
+// qsa_topk.cu).
 // With kTwoPhase and a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per
 // row) each keep their exact local top-k (same order), whose union holds the row's top-k, then one
 // CTA per row selects from the candidates. Both paths give identical results. Limits: none beyond
-// int32 indices (kFiltered: max_groups <= qsa_top_k_filtered_max_groups(); kTwoPhase: a workspace).
+// int32 indices (kFiltered, kCluster: max_groups <= qsa_top_k_filtered_max_groups(); kCluster: an
+// sm_90+ device; kTwoPhase: a workspace).
 // Returns an error for bad shapes; launch failures are fatal.
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream);
 
