@@ -1,0 +1,472 @@
+// QSA decode benchmark, end to end: one decode step of the issue's shape (batch 4, 16 q heads, 2 KV
+// heads, head_dim 256, 128K context, block size 64; QSA budget 2048, indexer 4 heads x 128 dims,
+// ratio 4), dense FP16 paged decode beside the full QSA step in one process. The QSA step is
+// qsa_index_scores (writing the run maxima; rows with at most k = budget / ratio visible groups are
+// skipped) -> qsa_top_k_select (kAuto, given the maxima) -> paged_decode_attention over that
+// selection (width budget + 3, planned for budget + 3 keys), with the main cache in FP16, E4M3
+// through the software decoder (native_e4m3 = false) and E4M3 native where usable. Prints a table
+// and writes JSON (argv[1], default qsa_decode.json); exits non-zero when the sanity check fails
+// (after the warm-up every row selects budget + 3 tokens, the attention output holds no NaN).
+// The decode rows sit at pos = kCtx - 2 with seq_len = pos + 1 (131071 tokens, in a cache sized for
+// 131072): (pos + 1) % ratio == 3 gives the 3-token causal tail, so the selection is the widest
+// one (budget + 3 keys, what the attention is planned for); at pos = kCtx - 1 the last group is
+// complete and a row selects budget keys. Dense attends the same 131071 keys.
+//
+// Cold data: in a model the other layers evict the indexer cache and the KV between two steps of a
+// layer. The QSA step rotates over `copies` compressed indexer caches (32 MB each; L2 is 60 MB),
+// each filled from its own seed, so each copy selects other groups and the attention reads other
+// KV tokens: a step reads an indexer copy and KV rows that the last copies - 1 steps did not. The
+// copies are enough that the indexer caches together, and also the KV rows the copies' selections
+// read (8.4 MB a step in E4M3), exceed 160 MB, so the attention timed alone is cold too (20 copies,
+// 640 MB of indexer cache). Each copy has its own scores, run maxima and selection buffers, so the
+// kernels can be timed alone on the same rotation. Dense reads its whole 1 GiB cache every step.
+// "warm" is the QSA step on one copy (its indexer cache and selected KV stay in L2), for reference.
+//
+// Timing, every figure for one step: "stream" is time_ms (bench_timing.cuh: launches from the host
+// on the default stream, back to back, median of 7 samples of 10 steps); "graph" captures, once on
+// a non-default stream, ONE CUDA graph holding a sequence of steps over copies 0, 1, ..,
+// copies - 1, 0, .. (whole rounds, at least 20 steps, so back-to-back replays keep the rotation),
+// then times replays with CUDA events (median of 7 replays / steps). The per-kernel figures (scores
+// with maxima, top-k, attention) run each kernel alone on the same rotation and in both modes.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iterator>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "backend/cuda/paged_decode_attention.cuh"
+#include "backend/cuda/qsa_index_scores.cuh"
+#include "backend/cuda/qsa_topk.cuh"
+#include "bench_data.cuh"
+#include "bench_timing.cuh"
+
+namespace {
+
+using e4kv::bench::fill_cache_bytes;
+using e4kv::bench::time_ms;
+using e4kv::bench::upload;
+
+using namespace e4kv;
+using namespace e4kv::cuda;
+
+constexpr int64_t kBatch = 4;
+constexpr int64_t kHeads = 16;
+constexpr int64_t kKvHeads = 2;
+constexpr int64_t kHeadDim = 256;
+constexpr int64_t kCtx = 131072;
+constexpr int64_t kBlock = 64;
+constexpr int64_t kBudget = 2048;
+constexpr int64_t kRatio = 4;
+constexpr int64_t kIndexHeads = 4;
+constexpr int64_t kIndexDim = 128;
+constexpr int64_t kWidth = kBudget + kRatio - 1;  // selection row: budget + the causal tail
+constexpr int64_t kPos = kCtx - 2;                // every decode row's position; seq_len = kPos + 1
+constexpr int64_t kMaxGroups = kCtx / kRatio;
+constexpr int kGraphMinSteps = 20;
+
+// Random FP16 values in a modest range (sign, exponent 2^-6..2^1, random mantissa), as in
+// bench_qsa_indexer.cu: index scores spread enough that the top-k is not decided by ties.
+__global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    data[i] = uint16_t((x & 0x8000u) | ((9u + (x >> 16) % 8u) << 10) | (x & 0x3FFu));
+  }
+}
+
+void check(const Status& st) {
+  if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
+}
+
+// One step's time in both modes, ms.
+struct Timing {
+  double ms = 0;
+  double graph_ms = 0;
+};
+
+// Median time of one step replayed from a CUDA graph captured once on a non-default stream; the
+// graph holds whole rounds over the copies (step i reads copy i % copies), at least
+// kGraphMinSteps steps.
+template <class F>
+float graph_step_ms(F&& step, int copies) {
+  const int steps = copies * ((kGraphMinSteps + copies - 1) / copies);
+  cudaStream_t stream;
+  E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < steps; ++i) step(stream, i % copies);
+  E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  E4KV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  E4KV_CUDA_CHECK(cudaEventCreate(&start));
+  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 2; ++i) E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> times;
+  for (int i = 0; i < 7; ++i) {
+    E4KV_CUDA_CHECK(cudaEventRecord(start, stream));
+    E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    E4KV_CUDA_CHECK(cudaEventRecord(stop, stream));
+    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms / steps);
+  }
+  E4KV_CUDA_CHECK(cudaEventDestroy(start));
+  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
+  E4KV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
+  E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
+  return e4kv::bench::median(times);
+}
+
+// `step(stream, copy)` enqueues one step reading copy `copy`; both modes rotate over the copies.
+template <class F>
+Timing time_step(F&& step, int copies) {
+  int next_copy = 0;
+  Timing t;
+  t.ms = time_ms([&] {
+    step(cudaStream_t(nullptr), next_copy);
+    next_copy = (next_copy + 1) % copies;
+  });
+  t.graph_ms = graph_step_ms(step, copies);
+  return t;
+}
+
+// "fp16", "e4m3-soft" or "e4m3-native".
+std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
+  return dtype == KvCacheDtype::kF16 ? "fp16" : config.native_e4m3 ? "e4m3-native" : "e4m3-soft";
+}
+
+// Split-K workspace for `n_splits` splits of every row (cudaFree .m).
+DecodeAttentionWorkspace make_workspace(int64_t n_splits) {
+  float* d_ws = nullptr;
+  E4KV_CUDA_CHECK(
+      cudaMalloc(&d_ws, decode_attention_workspace_floats(kBatch, n_splits, kHeads, kHeadDim) * 4));
+  return DecodeAttentionWorkspace{d_ws,
+                                  d_ws + kBatch * n_splits * kHeads,
+                                  d_ws + 2 * kBatch * n_splits * kHeads,
+                                  kBatch,
+                                  n_splits,
+                                  kHeads,
+                                  kHeadDim};
+}
+
+DecodeAttentionPlan plan_for(const KvCacheGeometry& geo, const DecodeAttentionConfig& config,
+                             int64_t max_keys) {
+  const Result<int64_t> resident = decode_attention_resident_ctas(geo, kHeads, config, 0);
+  if (!resident.ok()) check(resident.status());
+  return plan_decode_attention(kBatch, kKvHeads, max_keys, *resident);
+}
+
+// True when no element of the [kBatch, kHeads, kHeadDim] fp32 output is NaN (or infinite).
+bool output_finite(const float* d_out) {
+  std::vector<float> out(size_t(kBatch * kHeads * kHeadDim));
+  E4KV_CUDA_CHECK(cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost));
+  return std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); });
+}
+
+struct QsaResult {
+  std::string kv;
+  int64_t splits = 0;
+  Timing attention;  // alone, over each copy's selection
+  Timing step;       // scores + top-k + attention, cold (copies rotating)
+  Timing step_warm;  // the same on one copy
+};
+
+}  // namespace
+
+// Usage: e4kv_bench_qsa_decode [OUT.json]
+int main(int argc, char** argv) {
+  const char* json_path = argc > 1 ? argv[1] : "qsa_decode.json";
+  if (device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  const DecodeAttentionConfig best = decode_attention_config(0, false);
+
+  // Main caches (FP16 1 GiB, E4M3 512 MB) and the block table they share with the indexer cache.
+  const int64_t blocks_per_seq = (kCtx + kBlock - 1) / kBlock;
+  const int64_t n_blocks = blocks_per_seq * kBatch;
+  const KvCacheGeometry geo_f16{n_blocks, kBlock, kKvHeads, kHeadDim, KvCacheDtype::kF16};
+  const KvCacheGeometry geo_e4m3{n_blocks, kBlock, kKvHeads, kHeadDim, KvCacheDtype::kE4m3};
+  uint8_t* d_cache_f16 = nullptr;
+  uint8_t* d_cache_e4m3 = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_cache_f16, geo_f16.total_bytes()));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_cache_e4m3, geo_e4m3.total_bytes()));
+  fill_cache_bytes(d_cache_f16, geo_f16.total_bytes(), 12345u, false);
+  fill_cache_bytes(d_cache_e4m3, geo_e4m3.total_bytes(), 12345u, true);
+
+  // Indexer cache copies, each from its own seed: more than 160 MB together (L2: 60 MB), and
+  // enough that the E4M3 KV rows their selections read exceed that too.
+  const size_t compressed_elems = size_t(n_blocks * (kBlock / kRatio) * kIndexDim);
+  const size_t selected_e4m3_bytes = size_t(kBatch * kWidth * kKvHeads * kHeadDim * 2);
+  const size_t cold_bytes = size_t(160) << 20;
+  const int copies =
+      int(std::max(cold_bytes / (compressed_elems * 2) + 1, cold_bytes / selected_e4m3_bytes + 1));
+  uint16_t* d_compressed = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_compressed, compressed_elems * 2 * size_t(copies)));
+  for (int c = 0; c < copies; ++c) {
+    fill_f16_kernel<<<4096, 256>>>(d_compressed + compressed_elems * size_t(c), compressed_elems,
+                                   1000u + 7919u * uint32_t(c));
+    E4KV_CUDA_CHECK_LAUNCH();
+  }
+
+  std::mt19937 rng(7);
+  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  std::vector<int32_t> row_seq(kBatch), row_pos(kBatch, int32_t(kPos)),
+      seq_lens(kBatch, int32_t(kPos + 1));
+  std::iota(row_seq.begin(), row_seq.end(), 0);
+  int32_t* d_table = upload(table);
+  int32_t* d_row_seq = upload(row_seq);
+  int32_t* d_row_pos = upload(row_pos);
+  int32_t* d_seq_lens = upload(seq_lens);
+
+  // Queries, output, and per-copy scores, run maxima and selections.
+  const size_t q_elems = size_t(kBatch * kHeads * kHeadDim);
+  const int64_t run_stride = (kMaxGroups + kQsaRunGroups - 1) / kQsaRunGroups;
+  uint16_t* d_q = nullptr;
+  uint16_t* d_index_q = nullptr;
+  float* d_out = nullptr;
+  float* d_scores = nullptr;
+  float* d_maxima = nullptr;
+  int32_t* d_sel = nullptr;
+  int32_t* d_counts = nullptr;
+  void* d_top_k_ws = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_q, q_elems * 2));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_index_q, size_t(kBatch * kIndexHeads * kIndexDim) * 2));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_out, q_elems * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_scores, size_t(copies * kBatch * kMaxGroups) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_maxima, size_t(copies * kBatch * run_stride) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_sel, size_t(copies * kBatch * kWidth) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_counts, size_t(copies * kBatch) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(
+      &d_top_k_ws,
+      std::max<size_t>(1, qsa_top_k_workspace_bytes(kBatch, kMaxGroups, kBudget, kRatio))));
+  fill_cache_bytes(d_q, q_elems * 2, 99u, false);
+  fill_f16_kernel<<<16, 256>>>(d_index_q, size_t(kBatch * kIndexHeads * kIndexDim), 99u);
+  E4KV_CUDA_CHECK_LAUNCH();
+
+  QueryBatchView rows;
+  rows.n_rows = kBatch;
+  rows.row_seq = d_row_seq;
+  rows.row_pos = d_row_pos;
+  rows.seq_lens = d_seq_lens;
+  const BlockTableView block_table{d_table, kBatch, blocks_per_seq};
+  std::vector<QsaIndexScoresArgs> scores_args(copies);
+  std::vector<QsaTopKArgs> top_k_args(copies);
+  for (int c = 0; c < copies; ++c) {
+    QsaIndexScoresArgs& sa = scores_args[c];
+    sa.compressed = IndexerCompressedView{d_compressed + compressed_elems * size_t(c), n_blocks,
+                                          kBlock, kRatio, kIndexDim};
+    sa.block_table = block_table;
+    sa.rows = rows;
+    sa.index_q = d_index_q;
+    sa.n_index_heads = kIndexHeads;
+    sa.max_groups = kMaxGroups;
+    sa.skip_visible_at_most = kBudget / kRatio;
+    sa.scores = d_scores + c * kBatch * kMaxGroups;
+    sa.run_maxima = d_maxima + c * kBatch * run_stride;
+    sa.run_stride = run_stride;
+    QsaTopKArgs& ta = top_k_args[c];
+    ta.rows = rows;
+    ta.ratio = kRatio;
+    ta.budget = kBudget;
+    ta.scores = sa.scores;
+    ta.max_groups = kMaxGroups;
+    ta.run_maxima = sa.run_maxima;
+    ta.run_stride = run_stride;
+    ta.sel_tokens = d_sel + c * kBatch * kWidth;
+    ta.sel_counts = d_counts + c * kBatch;
+    ta.workspace = d_top_k_ws;
+    ta.method = QsaTopKMethod::kAuto;
+  }
+  auto scores_step = [&](cudaStream_t stream, int c) {
+    check(qsa_index_scores(scores_args[c], stream));
+  };
+  auto top_k_step = [&](cudaStream_t stream, int c) {
+    check(qsa_top_k_select(top_k_args[c], stream));
+  };
+
+  PagedAttentionParams dense;
+  dense.cache = KvCacheView{d_cache_f16, geo_f16, 1.0f, 1.0f};
+  dense.block_table = block_table;
+  dense.rows = rows;
+  dense.n_heads = kHeads;
+  dense.q = d_q;
+  dense.out = d_out;
+
+  // Dense FP16 decode: the whole 1 GiB cache per step, so cold without copies.
+  bool sane = true;
+  const DecodeAttentionPlan dense_plan = plan_for(geo_f16, best, kPos + 1);
+  Timing dense_time;
+  {
+    const DecodeAttentionWorkspace ws = make_workspace(dense_plan.n_splits);
+    auto dense_step = [&](cudaStream_t stream, int) {
+      check(paged_decode_attention(dense, dense_plan, ws, best, stream));
+    };
+    dense_step(nullptr, 0);
+    if (!output_finite(d_out)) {
+      std::fprintf(stderr, "dense fp16: the attention output holds NaN or inf\n");
+      sane = false;
+    }
+    dense_time = time_step(dense_step, 1);
+    E4KV_CUDA_CHECK(cudaFree(ws.m));
+  }
+
+  // Warm-up: scores and selection of every copy; then the selection check on the host.
+  for (int c = 0; c < copies; ++c) {
+    scores_step(nullptr, c);
+    top_k_step(nullptr, c);
+  }
+  std::vector<int32_t> counts(size_t(copies * kBatch));
+  std::vector<int32_t> sel(size_t(copies * kBatch * kWidth));
+  E4KV_CUDA_CHECK(cudaMemcpy(counts.data(), d_counts, counts.size() * 4, cudaMemcpyDeviceToHost));
+  E4KV_CUDA_CHECK(cudaMemcpy(sel.data(), d_sel, sel.size() * 4, cudaMemcpyDeviceToHost));
+  const auto bad =
+      std::find_if(counts.begin(), counts.end(), [](int32_t n) { return n != kWidth; });
+  if (bad != counts.end()) {
+    const size_t i = size_t(bad - counts.begin());
+    std::fprintf(stderr,
+                 "%zu of %zu selection rows have sel_count != %lld (copy %zu row %zu: %d)\n",
+                 size_t(counts.size() - std::count(counts.begin(), counts.end(), int32_t(kWidth))),
+                 counts.size(), (long long)kWidth, i / kBatch, i % kBatch, *bad);
+    sane = false;
+  }
+  // Row 0's tokens that copies 0 and 1 both select (random groups: about budget^2 / ctx + tail).
+  std::vector<int32_t> shared;
+  if (copies > 1) {
+    std::set_intersection(sel.begin(), sel.begin() + kWidth, sel.begin() + kBatch * kWidth,
+                          sel.begin() + (kBatch + 1) * kWidth, std::back_inserter(shared));
+  }
+
+  Timing scores_time = time_step(scores_step, copies);
+  Timing top_k_time = time_step(top_k_step, copies);
+
+  std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds{
+      {KvCacheDtype::kF16, {false, best.load}}, {KvCacheDtype::kE4m3, {false, best.load}}};
+  if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}});
+  std::vector<QsaResult> results;
+  for (const auto& [dtype, config] : kinds) {
+    const bool e4m3 = dtype == KvCacheDtype::kE4m3;
+    const KvCacheGeometry& geo = e4m3 ? geo_e4m3 : geo_f16;
+    const DecodeAttentionPlan plan = plan_for(geo, config, kWidth);
+    const DecodeAttentionWorkspace ws = make_workspace(plan.n_splits);
+    std::vector<PagedAttentionParams> attention(copies, dense);
+    for (int c = 0; c < copies; ++c) {
+      attention[c].cache = KvCacheView{e4m3 ? d_cache_e4m3 : d_cache_f16, geo, e4m3 ? 0.01f : 1.0f,
+                                       e4m3 ? 0.01f : 1.0f};
+      attention[c].rows.sel_tokens = top_k_args[c].sel_tokens;
+      attention[c].rows.sel_counts = top_k_args[c].sel_counts;
+      attention[c].rows.sel_width = kWidth;
+    }
+    auto attention_step = [&](cudaStream_t stream, int c) {
+      check(paged_decode_attention(attention[c], plan, ws, config, stream));
+    };
+    auto qsa_step = [&](cudaStream_t stream, int c) {
+      scores_step(stream, c);
+      top_k_step(stream, c);
+      attention_step(stream, c);
+    };
+    QsaResult r;
+    r.kv = kv_name(dtype, config);
+    r.splits = plan.n_splits;
+    for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
+    if (!output_finite(d_out)) {
+      std::fprintf(stderr, "qsa %s: the attention output holds NaN or inf\n", r.kv.c_str());
+      sane = false;
+    }
+    r.attention = time_step(attention_step, copies);
+    r.step = time_step(qsa_step, copies);
+    r.step_warm = time_step(qsa_step, 1);
+    results.push_back(r);
+    E4KV_CUDA_CHECK(cudaFree(ws.m));
+  }
+
+  std::printf(
+      "shape: batch %lld, heads %lld / %lld kv, head_dim %lld, ctx %lld (pos %lld), block %lld; "
+      "QSA budget %lld, index %lld x %lld, ratio %lld\n",
+      (long long)kBatch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
+      (long long)kCtx, (long long)kPos, (long long)kBlock, (long long)kBudget,
+      (long long)kIndexHeads, (long long)kIndexDim, (long long)kRatio);
+  std::printf(
+      "cold: %d indexer cache copies x %.1f MB = %.1f MB; row 0 tokens selected by both "
+      "copy 0 and copy 1: %zu of %lld\n",
+      copies, compressed_elems * 2 / 1e6, copies * compressed_elems * 2 / 1e6, shared.size(),
+      (long long)kWidth);
+  std::printf("dense fp16 (%lld splits): stream %.1f us, graph %.1f us\n",
+              (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3);
+  std::printf("%-12s %-6s %7s %10s %7s %9s %7s %9s %9s %8s %10s %10s\n", "qsa kv", "mode", "splits",
+              "scores+max", "top-k", "attention", "sum", "step_cold", "step_warm", "dense",
+              "dense/cold", "dense/warm");
+  for (const QsaResult& r : results) {
+    for (const bool graph : {false, true}) {
+      auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
+      const double sum = us(scores_time) + us(top_k_time) + us(r.attention);
+      std::printf("%-12s %-6s %7lld %10.1f %7.1f %9.1f %7.1f %9.1f %9.1f %8.1f %9.2fx %9.2fx\n",
+                  r.kv.c_str(), graph ? "graph" : "stream", (long long)r.splits, us(scores_time),
+                  us(top_k_time), us(r.attention), sum, us(r.step), us(r.step_warm), us(dense_time),
+                  us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
+    }
+  }
+  if (!sane) {
+    std::fprintf(stderr, "sanity check failed\n");
+    return 1;
+  }
+
+  FILE* f = std::fopen(json_path, "w");
+  if (f == nullptr) return 1;
+  std::fprintf(f,
+               "{\"shape\": {\"batch\": %lld, \"n_heads\": %lld, \"n_kv_heads\": %lld, "
+               "\"head_dim\": %lld, \"ctx\": %lld, \"row_pos\": %lld, \"seq_len\": %lld, "
+               "\"block_size\": %lld, \"budget\": %lld, \"index_heads\": %lld, "
+               "\"index_dim\": %lld, \"ratio\": %lld},\n",
+               (long long)kBatch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
+               (long long)kCtx, (long long)kPos, (long long)(kPos + 1), (long long)kBlock,
+               (long long)kBudget, (long long)kIndexHeads, (long long)kIndexDim, (long long)kRatio);
+  std::fprintf(f,
+               " \"cold_copies\": %d, \"indexer_copy_bytes\": %zu, \"graph_min_steps\": %d, "
+               "\"shared_selected_tokens_copy0_copy1_row0\": %zu,\n",
+               copies, compressed_elems * 2, kGraphMinSteps, shared.size());
+  std::fprintf(f, " \"dense_fp16\": {\"splits\": %lld, \"stream_us\": %.2f, \"graph_us\": %.2f},\n",
+               (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3);
+  std::fprintf(f, " \"qsa\": [\n");
+  for (size_t i = 0; i < results.size(); ++i) {
+    const QsaResult& r = results[i];
+    std::fprintf(f, "  {\"kv\": \"%s\", \"splits\": %lld", r.kv.c_str(), (long long)r.splits);
+    for (const bool graph : {false, true}) {
+      auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
+      std::fprintf(f,
+                   ", \"%s\": {\"scores_maxima_us\": %.2f, \"top_k_us\": %.2f, "
+                   "\"attention_us\": %.2f, \"sum_us\": %.2f, \"step_cold_us\": %.2f, "
+                   "\"step_warm_us\": %.2f, \"dense_us\": %.2f, \"dense_over_step_cold\": %.3f, "
+                   "\"dense_over_step_warm\": %.3f}",
+                   graph ? "graph" : "stream", us(scores_time), us(top_k_time), us(r.attention),
+                   us(scores_time) + us(top_k_time) + us(r.attention), us(r.step), us(r.step_warm),
+                   us(dense_time), us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
+    }
+    std::fprintf(f, "}%s\n", i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, " ]}\n");
+  std::fclose(f);
+
+  for (void* ptr : {(void*)d_cache_f16, (void*)d_cache_e4m3, (void*)d_compressed, (void*)d_table,
+                    (void*)d_row_seq, (void*)d_row_pos, (void*)d_seq_lens, (void*)d_q,
+                    (void*)d_index_q, (void*)d_out, (void*)d_scores, (void*)d_maxima, (void*)d_sel,
+                    (void*)d_counts, d_top_k_ws}) {
+    E4KV_CUDA_CHECK(cudaFree(ptr));
+  }
+  return 0;
+}
