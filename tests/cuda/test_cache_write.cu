@@ -7,7 +7,9 @@
 // statistics must be identical. Rows of up to 10 chunks of 16 elements per lane, and E4M3 scales
 // that select each division form (cache_write_division_mode), K and V in different forms. Rows of 1
 // and 2 chunks per lane, whose warps write several tokens per step, with token counts that are not
-// multiples of that.
+// multiples of that. Every E4M3 write runs on both encoders where the GPU has the hardware one
+// (cache_write_hardware_encode_usable: sm_89+, not E4KV_FORCE_SOFTWARE_E4M3=1): CacheWriteEncode
+// kAuto, then kSoftware; run the binary again with E4KV_FORCE_SOFTWARE_E4M3=1 for software only.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -103,6 +105,20 @@ std::vector<uint16_t> make_values(std::mt19937& rng, int64_t n, int64_t head_dim
   return out;
 }
 
+// The E4M3 encoders to run: kAuto, and kSoftware where kAuto is the hardware one.
+std::vector<CacheWriteEncode> encodes_to_test() {
+  if (cache_write_hardware_encode_usable(0)) {
+    return {CacheWriteEncode::kAuto, CacheWriteEncode::kSoftware};
+  }
+  return {CacheWriteEncode::kAuto};
+}
+
+std::string describe(CacheWriteEncode encode) {
+  return encode == CacheWriteEncode::kAuto && cache_write_hardware_encode_usable(0)
+             ? "hardware encode"
+             : "software encode";
+}
+
 std::string describe_stats(const KvTensorStats& s) {
   return cat("count ", s.count(), " nonzero ", s.nonzero(), " non_finite ", s.non_finite(),
              " absmax ", s.absmax());
@@ -180,49 +196,54 @@ void run_case(const Case& c, uint32_t seed) {
   DeviceBuffer<unsigned long long> d_non_finite(2);
   CacheWriteStatsBuffer stats_buffer;
 
-  // Once without and once with fused statistics, each into a freshly poisoned cache.
-  for (const bool with_stats : {false, true}) {
-    SCOPED_TRACE(with_stats ? "with statistics" : "without statistics");
-    DeviceBuffer<uint8_t> d_cache(poison);
-    E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
-    stats_buffer.reset(nullptr);
-    const CacheWriteStatsView view = stats_buffer.view();
-    const KvCacheView cache{d_cache.ptr, geo, k_scale, v_scale};
-    const Status st = c.slots32
-                          ? cache_write(cache, d_k.ptr, d_v.ptr, d_slots32.ptr, c.n_tokens,
-                                        d_non_finite.ptr, with_stats ? &view : nullptr, nullptr)
-                          : cache_write(cache, d_k.ptr, d_v.ptr, d_slots.ptr, c.n_tokens,
-                                        d_non_finite.ptr, with_stats ? &view : nullptr, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message();
-    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+  // Per encoder, once without and once with fused statistics, each into a freshly poisoned cache.
+  const std::vector<CacheWriteEncode> encodes =
+      e4m3 ? encodes_to_test() : std::vector<CacheWriteEncode>{CacheWriteEncode::kAuto};
+  for (const CacheWriteEncode encode : encodes) {
+    SCOPED_TRACE(e4m3 ? describe(encode) : "fp16");
+    for (const bool with_stats : {false, true}) {
+      SCOPED_TRACE(with_stats ? "with statistics" : "without statistics");
+      DeviceBuffer<uint8_t> d_cache(poison);
+      E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
+      stats_buffer.reset(nullptr);
+      const CacheWriteStatsView view = stats_buffer.view();
+      const KvCacheView cache{d_cache.ptr, geo, k_scale, v_scale};
+      const Status st =
+          c.slots32 ? cache_write(cache, d_k.ptr, d_v.ptr, d_slots32.ptr, c.n_tokens,
+                                  d_non_finite.ptr, with_stats ? &view : nullptr, nullptr, encode)
+                    : cache_write(cache, d_k.ptr, d_v.ptr, d_slots.ptr, c.n_tokens,
+                                  d_non_finite.ptr, with_stats ? &view : nullptr, nullptr, encode);
+      ASSERT_TRUE(st.ok()) << st.message();
+      E4KV_CUDA_CHECK(cudaDeviceSynchronize());
 
-    const std::vector<uint8_t> got = d_cache.to_host();
-    int64_t n_bad = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      if (got[i] == ref[i]) continue;
-      if (n_bad++ == 0) {
-        const size_t elem = i / geo.elem_bytes();
-        const int64_t row_index = int64_t(elem) / row;  // (block * 2 + kv) * block_size + slot
-        ADD_FAILURE() << "first bad byte " << i << " (block " << row_index / (2 * c.block_size)
-                      << ", " << ((row_index / c.block_size) % 2 ? "V" : "K") << ", row "
-                      << row_index % c.block_size << ", element " << int64_t(elem) % row
-                      << "): gpu 0x" << std::hex << int(got[i]) << " cpu 0x" << int(ref[i])
-                      << " poison 0x" << int(poison[i]) << std::dec;
+      const std::vector<uint8_t> got = d_cache.to_host();
+      int64_t n_bad = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        if (got[i] == ref[i]) continue;
+        if (n_bad++ == 0) {
+          const size_t elem = i / geo.elem_bytes();
+          const int64_t row_index = int64_t(elem) / row;  // (block * 2 + kv) * block_size + slot
+          ADD_FAILURE() << "first bad byte " << i << " (block " << row_index / (2 * c.block_size)
+                        << ", " << ((row_index / c.block_size) % 2 ? "V" : "K") << ", row "
+                        << row_index % c.block_size << ", element " << int64_t(elem) % row
+                        << "): gpu 0x" << std::hex << int(got[i]) << " cpu 0x" << int(ref[i])
+                        << " poison 0x" << int(poison[i]) << std::dec;
+        }
       }
-    }
-    EXPECT_EQ(n_bad, 0) << "bytes differing from the CPU reference";
+      EXPECT_EQ(n_bad, 0) << "bytes differing from the CPU reference";
 
-    const std::vector<unsigned long long> counts = d_non_finite.to_host();
-    EXPECT_EQ(int64_t(counts[0]), ref_counts.k_non_finite);
-    EXPECT_EQ(int64_t(counts[1]), ref_counts.v_non_finite);
+      const std::vector<unsigned long long> counts = d_non_finite.to_host();
+      EXPECT_EQ(int64_t(counts[0]), ref_counts.k_non_finite);
+      EXPECT_EQ(int64_t(counts[1]), ref_counts.v_non_finite);
 
-    const auto [k_gpu, v_gpu] = stats_buffer.read(nullptr);
-    if (with_stats) {
-      expect_same_stats(k_gpu, k_ref, "K");
-      expect_same_stats(v_gpu, v_ref, "V");
-    } else {
-      EXPECT_EQ(k_gpu.count() + v_gpu.count() + k_gpu.non_finite() + v_gpu.non_finite(), 0)
-          << "statistics written without a statistics view";
+      const auto [k_gpu, v_gpu] = stats_buffer.read(nullptr);
+      if (with_stats) {
+        expect_same_stats(k_gpu, k_ref, "K");
+        expect_same_stats(v_gpu, v_ref, "V");
+      } else {
+        EXPECT_EQ(k_gpu.count() + v_gpu.count() + k_gpu.non_finite() + v_gpu.non_finite(), 0)
+            << "statistics written without a statistics view";
+      }
     }
   }
 }
@@ -244,7 +265,9 @@ TEST(CacheWriteCuda, MatchesCpuReferenceOverTheSweep) {
       }
     }
   }
-  std::printf("[ info ] %d cases\n", n_cases);
+  std::printf("[ info ] %d cases; E4M3 on %s\n", n_cases,
+              encodes_to_test().size() == 2 ? "the hardware and the software encoder"
+                                            : "the software encoder only");
 }
 
 // More tokens than the statistics grid covers in one pass (2 CTAs per SM x 8 warps x 1 token per
@@ -303,8 +326,9 @@ TEST(CacheWriteCuda, SeveralTokensPerWarpStep) {
 }
 
 // Every FP16 bit pattern through the E4M3 path (K and V at their own scales), against e4m3_encode.
-void expect_every_pattern_matches(float k_scale, float v_scale) {
-  SCOPED_TRACE(cat("k_scale ", k_scale, " v_scale ", v_scale));
+// A chunk holds 16 consecutive patterns, so every finite one goes through the finite encoder.
+void expect_every_pattern_matches(float k_scale, float v_scale, CacheWriteEncode encode) {
+  SCOPED_TRACE(cat("k_scale ", k_scale, " v_scale ", v_scale, ", ", describe(encode)));
   const int64_t row = 8 * 128;
   const int64_t n_tokens = 65536 / row;
   const KvCacheGeometry geo{n_tokens / 64, 64, 8, 128, KvCacheDtype::kE4m3};
@@ -321,7 +345,7 @@ void expect_every_pattern_matches(float k_scale, float v_scale) {
   E4KV_CUDA_CHECK(cudaMemset(d_cache.ptr, 0x5A, geo.total_bytes()));
   E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
   const Status st = cache_write(KvCacheView{d_cache.ptr, geo, k_scale, v_scale}, d_k.ptr, d_v.ptr,
-                                d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr);
+                                d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr, encode);
   ASSERT_TRUE(st.ok()) << st.message();
   const std::vector<uint8_t> got = d_cache.to_host();
   int64_t n_bad = 0;
@@ -346,8 +370,13 @@ void expect_every_pattern_matches(float k_scale, float v_scale) {
 
 TEST(CacheWriteCuda, EveryFp16PatternMatchesTheCodec) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  for (float scale : {1.0f, 0.0234375f, 1.0f / 448.0f, 3.0e-5f, 7.1f, 1.0e-20f, 1.0e20f}) {
-    expect_every_pattern_matches(scale, scale * 1.5f);
+  // 2^-7 and 1 make exact ties; 1e20 sends every FP16 below E4M3's smallest subnormal (signed
+  // zeros) and 2^-130 overflows q to inf for most of them (saturation from inf).
+  for (const CacheWriteEncode encode : encodes_to_test()) {
+    for (float scale : {1.0f, 0.0078125f, 0.0234375f, 1.0f / 448.0f, 3.0e-5f, 7.1f, 1.0e-20f,
+                        1.0e20f, std::ldexp(1.0f, -130)}) {
+      expect_every_pattern_matches(scale, scale * 1.5f, encode);
+    }
   }
 }
 
@@ -379,8 +408,10 @@ TEST(CacheWriteCuda, EveryDivisionFormMatchesTheCpuReference) {
   std::printf("[ info ] scales per division form: reciprocal %a, corrected %a, exact %a\n",
               double(scales[0]), double(scales[1]), double(scales[2]));
   // Every FP16 pattern; each form once for K and once for V, next to another one.
-  for (size_t d = 0; d < scales.size(); ++d) {
-    expect_every_pattern_matches(scales[d], scales[(d + 1) % scales.size()]);
+  for (const CacheWriteEncode encode : encodes_to_test()) {
+    for (size_t d = 0; d < scales.size(); ++d) {
+      expect_every_pattern_matches(scales[d], scales[(d + 1) % scales.size()], encode);
+    }
   }
   // Random rows with statistics and non-finite values, 1, 2 and 4 chunks per lane.
   uint32_t seed = 2001;
@@ -393,6 +424,89 @@ TEST(CacheWriteCuda, EveryDivisionFormMatchesTheCpuReference) {
           Case{head_dim, n_kv_heads, 64, KvCacheDtype::kE4m3, seed % 2 == 0, 300, k_scale, v_scale},
           seed);
       ++seed;
+    }
+  }
+}
+
+// The values where the two encoders could part, side by side in rows of 64 (4 chunks), against the
+// CPU reference byte for byte: signed zeros, values that round to a signed zero, E4M3's subnormals
+// and their ties, exact ties between normals (scale a power of two), the largest code and what
+// saturates to it (464 is the tie between 448 and the NaN pattern's 480), FP16 subnormals and
+// extremes; then the same next to an inf or a NaN in the chunk, which sends the whole chunk through
+// the reference codec, and non-finite counts.
+TEST(CacheWriteCuda, EncodersMatchTheCpuReferenceOnEdgeValues) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::vector<float> multiples = {
+      0.0f,    0x1p-12f,  0x1p-11f, 0x1p-10f, 0x3p-10f,  0x1p-9f, 0x5p-10f, 0x1p-7f,
+      0x1p-6f, 0x11p-10f, 1.0f,     1.0625f,  1.1875f,   1.5f,    240.0f,   416.0f,
+      432.0f,  440.0f,    448.0f,   456.0f,   463.9f,    464.0f,  464.1f,   480.0f,
+      1000.0f, 1.0e4f,    0.3f,     0.7f,     0x1.1p-8f, 3.0f,    5.0f,     7.5f,
+  };
+  for (const float scale : {0.0078125f, 1.0f, 0.0234375f * 1.3f, std::ldexp(1.0f, -130)}) {
+    std::vector<uint16_t> values;
+    for (const float m : multiples) {
+      const uint16_t h = f32_to_f16(m * scale);
+      values.push_back(h);
+      values.push_back(uint16_t(h ^ 0x8000u));  // the negative (or -0)
+    }
+    // FP16 subnormals, the smallest normal, +-65504 and 1.
+    const std::array<uint16_t, 8> bits = {0x0001, 0x8001, 0x03FF, 0x83FF,
+                                          0x0400, 0x7BFF, 0xFBFF, 0x3C00};
+    values.insert(values.end(), bits.begin(), bits.end());
+    const size_t finite = values.size();
+    values.resize((finite + 63) / 64 * 64, 0x8000);  // -0 up to a whole row
+    // Again, with an inf or a NaN at the start of every chunk.
+    const std::array<uint16_t, 4> non_finite = {0x7C00, 0xFC00, 0x7E00, 0xFFFF};
+    const std::vector<uint16_t> finite_rows = values;
+    values.insert(values.end(), finite_rows.begin(), finite_rows.end());
+    for (size_t i = finite_rows.size(); i < values.size(); i += 16) {
+      values[i] = non_finite[(i / 16) % 4];
+    }
+
+    const int64_t row = 64;
+    const int64_t n_tokens = int64_t(values.size()) / row;
+    const KvCacheGeometry geo{(n_tokens + 15) / 16, 16, 1, 64, KvCacheDtype::kE4m3};
+    const std::vector<uint16_t> v(values.rbegin(), values.rend());
+    std::vector<int64_t> slots(static_cast<size_t>(n_tokens));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<uint8_t> ref(geo.total_bytes(), 0x5A);
+    const float k_scale = scale;
+    const float v_scale = scale * 2.0f;
+    const CacheWriteStats ref_counts =
+        e4kv::cache_write(KvCacheView{ref.data(), geo, k_scale, v_scale}, values.data(), v.data(),
+                          slots.data(), n_tokens);
+    EXPECT_GT(ref_counts.k_non_finite, 0);
+
+    DeviceBuffer<uint16_t> d_k(values);
+    DeviceBuffer<uint16_t> d_v(v);
+    DeviceBuffer<int64_t> d_slots(slots);
+    DeviceBuffer<unsigned long long> d_non_finite(2);
+    for (const CacheWriteEncode encode : encodes_to_test()) {
+      SCOPED_TRACE(cat("scale ", scale, ", ", describe(encode)));
+      DeviceBuffer<uint8_t> d_cache(std::vector<uint8_t>(geo.total_bytes(), 0x5A));
+      E4KV_CUDA_CHECK(cudaMemset(d_non_finite.ptr, 0, 2 * sizeof(unsigned long long)));
+      const Status st =
+          cache_write(KvCacheView{d_cache.ptr, geo, k_scale, v_scale}, d_k.ptr, d_v.ptr,
+                      d_slots.ptr, n_tokens, d_non_finite.ptr, nullptr, nullptr, encode);
+      ASSERT_TRUE(st.ok()) << st.message();
+      // Every byte, the unwritten rest of the cache too; the input of each bad one (slot t holds
+      // token t).
+      const std::vector<uint8_t> got = d_cache.to_host();
+      int64_t n_bad = 0;
+      for (size_t at = 0; at < got.size(); ++at) {
+        if (got[at] == ref[at] || n_bad++ >= 5) continue;
+        const int64_t row_index = int64_t(at) / row;  // (block * 2 + kv) * 16 + slot % 16
+        const int kv = int(row_index / 16 % 2);
+        const int64_t t = row_index / 32 * 16 + row_index % 16;
+        const uint16_t h = t < n_tokens ? (kv == 0 ? values : v)[size_t(t * row) + at % row] : 0;
+        ADD_FAILURE() << "token " << t << (kv ? " V" : " K") << " element " << at % row
+                      << " fp16 0x" << std::hex << h << ": gpu 0x" << int(got[at]) << " cpu 0x"
+                      << int(ref[at]) << std::dec;
+      }
+      EXPECT_EQ(n_bad, 0) << "bytes differing from the CPU reference";
+      const std::vector<unsigned long long> counts = d_non_finite.to_host();
+      EXPECT_EQ(int64_t(counts[0]), ref_counts.k_non_finite);
+      EXPECT_EQ(int64_t(counts[1]), ref_counts.v_non_finite);
     }
   }
 }

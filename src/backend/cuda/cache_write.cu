@@ -51,6 +51,19 @@
 // came up only for scales <= 2^-128 (subnormal, where 1 / scale overflows). K and V rows are in
 // different blockIdx.y, so the branch on the form is uniform per CTA.
 //
+// Hardware encode (sm_89+): per two elements one cvt.rn.satfinite.e4m3x2.f32 of q = |x| / scale
+// (the same divide() value) with the FP16 sign attached, in place of the rounding above
+// (encode4_hardware). The conversion rounds to nearest even and saturates, inf too, to 448: that is
+// min(q, 448) rounded as above, checked on all 2^32 fp32 inputs. The sign goes onto q, not onto x
+// before the division: the corrected form turns -0 into +0 (q0 = -0 * r = -0, then
+// -q0 * scale + -0 = +0), and -0 must stay 0x80 as in the reference. Chunks with inf/NaN take
+// encode4_exact on both paths. The kernels are instances per encoder (CacheStore) that the host
+// picks per launch: with cache_write_hardware_encode_usable (so E4KV_FORCE_SOFTWARE_E4M3=1 turns
+// it off) unless the caller asks for software (CacheWriteEncode). Not a branch on a kernel
+// parameter: with both encoders in one kernel ptxas spilled 152 bytes in the 2 x 256 kernel (1
+// chunk, 4 tokens per step) at its 80 registers, and none with one (CUDA 13, sm_90). Code for
+// older GPUs, or built with E4KV_FORCE_SOFTWARE_E4M3, holds only the software encoder.
+//
 // Statistics (optional): per element one read of the FP16 -> slot table (64 KB, L1-resident;
 // built from kv_hist_bin_f16) and a shared-memory atomic in the warp's own histogram; CTAs loop
 // over tokens (2 CTAs per SM and tensor) and add their histograms to the global counters once.
@@ -58,10 +71,11 @@
 // Limits: n_kv_heads * head_dim a multiple of 16; 16-byte aligned K, V and cache.
 // Why fast: every byte is read once and written once with 16-byte accesses, a lane's loads of up
 // to 4 chunks (of one or several tokens) in flight together; without the division the E4M3 encode
-// is mostly integer work; the block of a slot is a shift for power-of-two block sizes. The speed of
-// this scheme is yet to be measured on the device (bench/cuda/bench_cache_write.cu);
-// bench/RESULTS.md has the figures of the previous one (one chunk per lane and step, always
-// __fdiv_rn).
+// is mostly integer work, and on sm_89+ one conversion per two elements; the block of a slot is a
+// shift for power-of-two block sizes. H200, 65536 tokens, no statistics (bench_cache_write, both
+// encoders in one run, of the 4.25 TB/s copy figure): E4M3 2 x 256 86.6% with the hardware encode
+// against 75.5% with the software one, 8 x 128 94.3% against 83.4%; the 2 x 256 kernel (1 chunk, 4
+// tokens) went from 5712 to 4256 SASS instructions, 80 registers and no spill either way.
 #include "backend/cuda/cache_write.cuh"
 
 #include <cuda_fp16.h>
@@ -72,6 +86,7 @@
 #include <unordered_map>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
 #include "core/check.h"
 #include "core/half.h"
 #include "e4kv/e4m3.h"
@@ -89,6 +104,9 @@ constexpr int kStatsCtasPerSm = 2;  // per tensor: few CTAs, each merges its his
 constexpr uint32_t kF16Infinity = 0x7C00u;
 // Scales whose division form is remembered; a caller cycling through more starts over.
 constexpr size_t kMaxMemoisedScales = 4096;
+
+// What a kernel instance stores: FP16, or E4M3 through the software or the hardware encoder.
+enum class CacheStore { kF16, kE4m3Software, kE4m3Hardware };
 
 struct CacheWriteKernelParams {
   const uint16_t* k;         // [n_tokens, n_kv_heads, head_dim] FP16
@@ -226,6 +244,41 @@ __device__ __forceinline__ uint32_t encode4_finite(uint32_t w0, uint32_t w1, flo
   return codes | (signs & 0x80808080u);
 }
 
+// encode4_finite's codes through the sm_89+ conversion (see the top of the file).
+template <CacheWriteDivision kDivision>
+__device__ __forceinline__ uint32_t encode4_hardware(uint32_t w0, uint32_t w1, float scale,
+                                                     float r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
+  const auto signed_quotient = [&](uint32_t bits16) {
+    const float x = half_bits_to_float(bits16);
+    return copysignf(divide<kDivision>(fabsf(x), scale, r), x);
+  };
+  const float q0 = signed_quotient(w0 & 0xFFFFu);
+  const float q1 = signed_quotient(w0 >> 16);
+  const float q2 = signed_quotient(w1 & 0xFFFFu);
+  const float q3 = signed_quotient(w1 >> 16);
+  // The conversion puts its first source in the upper byte: (q1, q0) -> code 1 << 8 | code 0.
+  uint32_t codes;
+  asm("{\n\t"
+      ".reg .b16 lo, hi;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
+      "mov.b32 %0, {lo, hi};\n\t"
+      "}"
+      : "=r"(codes)
+      : "f"(q0), "f"(q1), "f"(q2), "f"(q3));
+  return codes;
+#else
+  // Never launched: the host picks kE4m3Hardware only where cache_write_hardware_encode_usable.
+  (void)w0;
+  (void)w1;
+  (void)scale;
+  (void)r;
+  __trap();
+  return 0;
+#endif
+}
+
 // The same through the reference codec, for any input (NaN -> 0x7F).
 __device__ __noinline__ uint32_t encode4_exact(uint32_t w0, uint32_t w1, float scale) {
   const uint32_t c0 = e4m3_encode(half_bits_to_float(w0 & 0xFFFFu), scale);
@@ -247,7 +300,8 @@ struct ChunkToF16 {
   }
 };
 
-template <CacheWriteDivision kDivision>
+// kHardware: finite chunks through encode4_hardware (sm_89+ code only), else encode4_finite.
+template <CacheWriteDivision kDivision, bool kHardware>
 struct ChunkToE4m3 {
   static constexpr int64_t kElemBytes = 1;
   float scale;
@@ -257,10 +311,17 @@ struct ChunkToE4m3 {
                                         bool all_finite) const {
     uint4 out;
     if (all_finite) {
-      out.x = encode4_finite<kDivision>(w[0], w[1], scale, r);
-      out.y = encode4_finite<kDivision>(w[2], w[3], scale, r);
-      out.z = encode4_finite<kDivision>(w[4], w[5], scale, r);
-      out.w = encode4_finite<kDivision>(w[6], w[7], scale, r);
+      if constexpr (kHardware) {
+        out.x = encode4_hardware<kDivision>(w[0], w[1], scale, r);
+        out.y = encode4_hardware<kDivision>(w[2], w[3], scale, r);
+        out.z = encode4_hardware<kDivision>(w[4], w[5], scale, r);
+        out.w = encode4_hardware<kDivision>(w[6], w[7], scale, r);
+      } else {
+        out.x = encode4_finite<kDivision>(w[0], w[1], scale, r);
+        out.y = encode4_finite<kDivision>(w[2], w[3], scale, r);
+        out.z = encode4_finite<kDivision>(w[4], w[5], scale, r);
+        out.w = encode4_finite<kDivision>(w[6], w[7], scale, r);
+      }
     } else {
       out.x = encode4_exact(w[0], w[1], scale);
       out.y = encode4_exact(w[2], w[3], scale);
@@ -504,8 +565,34 @@ __device__ __forceinline__ void write_rows(const CacheWriteKernelParams& p, cons
   }
 }
 
-template <bool kE4m3, bool kStats, int kUnroll, int kTokens, class Slot>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnroll* kTokens))
+// write_rows of an E4M3 cache with the tensor's division form and the encode kHardware.
+template <bool kHardware, int kUnroll, int kTokens, bool kStats, class Slot>
+__device__ __forceinline__ void write_e4m3_rows(const CacheWriteKernelParams& p,
+                                                StatsCollector<kStats>& stats,
+                                                unsigned long long& non_finite) {
+  const int kv = int(blockIdx.y);
+  const float scale = kv == 0 ? p.k_scale : p.v_scale;
+  const float r = kv == 0 ? p.k_reciprocal : p.v_reciprocal;
+  // Uniform per CTA (K and V are different blockIdx.y).
+  switch (kv == 0 ? p.k_division : p.v_division) {
+    case CacheWriteDivision::kReciprocal:
+      write_rows<kUnroll, kTokens, kStats, Slot>(
+          p, ChunkToE4m3<CacheWriteDivision::kReciprocal, kHardware>{scale, r}, stats, non_finite);
+      break;
+    case CacheWriteDivision::kCorrected:
+      write_rows<kUnroll, kTokens, kStats, Slot>(
+          p, ChunkToE4m3<CacheWriteDivision::kCorrected, kHardware>{scale, r}, stats, non_finite);
+      break;
+    case CacheWriteDivision::kExact:
+      write_rows<kUnroll, kTokens, kStats, Slot>(
+          p, ChunkToE4m3<CacheWriteDivision::kExact, kHardware>{scale, r}, stats, non_finite);
+      break;
+  }
+}
+
+template <CacheStore kStore, bool kStats, int kUnroll, int kTokens, class Slot>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kStore != CacheStore::kF16, kStats,
+                                                            kUnroll* kTokens))
     cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
   const int kv = int(blockIdx.y);
   const int lane = int(threadIdx.x) % 32;
@@ -520,26 +607,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnro
   stats.begin();
 
   unsigned long long non_finite = 0;
-  if constexpr (kE4m3) {
-    const float scale = kv == 0 ? p.k_scale : p.v_scale;
-    const float r = kv == 0 ? p.k_reciprocal : p.v_reciprocal;
-    // Uniform per CTA (K and V are different blockIdx.y).
-    switch (kv == 0 ? p.k_division : p.v_division) {
-      case CacheWriteDivision::kReciprocal:
-        write_rows<kUnroll, kTokens, kStats, Slot>(
-            p, ChunkToE4m3<CacheWriteDivision::kReciprocal>{scale, r}, stats, non_finite);
-        break;
-      case CacheWriteDivision::kCorrected:
-        write_rows<kUnroll, kTokens, kStats, Slot>(
-            p, ChunkToE4m3<CacheWriteDivision::kCorrected>{scale, r}, stats, non_finite);
-        break;
-      case CacheWriteDivision::kExact:
-        write_rows<kUnroll, kTokens, kStats, Slot>(
-            p, ChunkToE4m3<CacheWriteDivision::kExact>{scale, r}, stats, non_finite);
-        break;
-    }
-  } else {
+  if constexpr (kStore == CacheStore::kF16) {
     write_rows<kUnroll, kTokens, kStats, Slot>(p, ChunkToF16{}, stats, non_finite);
+  } else {
+    write_e4m3_rows<kStore == CacheStore::kE4m3Hardware, kUnroll, kTokens, kStats, Slot>(
+        p, stats, non_finite);
   }
 
   // Warp-aggregated: one atomic per warp that saw any inf/NaN.
@@ -552,43 +624,55 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kE4m3, kStats, kUnro
   stats.end(p);
 }
 
-template <bool kE4m3, bool kStats, int kUnroll, int kTokens>
+template <CacheStore kStore, bool kStats, int kUnroll, int kTokens>
 void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
   if (slots64) {
-    cache_write_kernel<kE4m3, kStats, kUnroll, kTokens, int64_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kStore, kStats, kUnroll, kTokens, int64_t>
+        <<<grid, kThreads, 0, stream>>>(kp);
   } else {
-    cache_write_kernel<kE4m3, kStats, kUnroll, kTokens, int32_t><<<grid, kThreads, 0, stream>>>(kp);
+    cache_write_kernel<kStore, kStats, kUnroll, kTokens, int32_t>
+        <<<grid, kThreads, 0, stream>>>(kp);
   }
   E4KV_CUDA_CHECK_LAUNCH();
 }
 
-// tokens: 1 or tokens_per_step(kE4m3, kStats, kUnroll).
-template <bool kE4m3, bool kStats, int kUnroll>
+// tokens: 1 or tokens_per_step(e4m3, kStats, kUnroll).
+template <CacheStore kStore, bool kStats, int kUnroll>
 void launch_unrolled(const CacheWriteKernelParams& kp, bool slots64, int tokens, dim3 grid,
                      cudaStream_t stream) {
-  constexpr int kMulti = tokens_per_step(kE4m3, kStats, kUnroll);
+  constexpr int kMulti = tokens_per_step(kStore != CacheStore::kF16, kStats, kUnroll);
   if (tokens == 1) {
-    launch_kernel<kE4m3, kStats, kUnroll, 1>(kp, slots64, grid, stream);
+    launch_kernel<kStore, kStats, kUnroll, 1>(kp, slots64, grid, stream);
   } else if constexpr (kMulti > 1) {
     E4KV_ASSERT(tokens == kMulti, cat("cache write: ", tokens, " tokens per step"));
-    launch_kernel<kE4m3, kStats, kUnroll, kMulti>(kp, slots64, grid, stream);
+    launch_kernel<kStore, kStats, kUnroll, kMulti>(kp, slots64, grid, stream);
   } else {
     E4KV_ASSERT(false, cat("cache write: ", tokens, " tokens per step"));
   }
 }
 
 // unroll = lane_unroll(kStats, kp.row_chunks).
-template <bool kE4m3, bool kStats>
+template <CacheStore kStore, bool kStats>
 void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, int unroll, int tokens,
                    dim3 grid, cudaStream_t stream) {
   if (unroll == 1) {
-    launch_unrolled<kE4m3, kStats, 1>(kp, slots64, tokens, grid, stream);
+    launch_unrolled<kStore, kStats, 1>(kp, slots64, tokens, grid, stream);
   } else if (unroll == 2) {
-    launch_unrolled<kE4m3, kStats, 2>(kp, slots64, tokens, grid, stream);
+    launch_unrolled<kStore, kStats, 2>(kp, slots64, tokens, grid, stream);
   } else if constexpr (!kStats) {
-    launch_unrolled<kE4m3, kStats, 4>(kp, slots64, tokens, grid, stream);
+    launch_unrolled<kStore, kStats, 4>(kp, slots64, tokens, grid, stream);
   } else {
     E4KV_ASSERT(false, cat("cache write: ", unroll, " chunks per lane and step with statistics"));
+  }
+}
+
+template <CacheStore kStore>
+void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, bool stats, int unroll,
+                   int tokens, dim3 grid, cudaStream_t stream) {
+  if (stats) {
+    launch_kernel<kStore, true>(kp, slots64, unroll, tokens, grid, stream);
+  } else {
+    launch_kernel<kStore, false>(kp, slots64, unroll, tokens, grid, stream);
   }
 }
 
@@ -598,8 +682,8 @@ bool aligned16(const void* ptr) {
 
 Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
               const void* slot_mapping, bool slots64, int64_t n_tokens,
-              unsigned long long* non_finite, const CacheWriteStatsView* stats,
-              cudaStream_t stream) {
+              unsigned long long* non_finite, const CacheWriteStatsView* stats, cudaStream_t stream,
+              CacheWriteEncode encode) {
   const KvCacheGeometry& g = cache.geometry;
   if (g.n_blocks < 0 || g.block_size <= 0 || g.n_kv_heads <= 0 || g.head_dim <= 0) {
     return Status::error(cat("cache write: malformed cache geometry (n_blocks ", g.n_blocks,
@@ -670,23 +754,37 @@ Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
   const int64_t tokens_per_cta = int64_t(kWarps) * tokens;
   const int64_t ctas = std::min((n_tokens + tokens_per_cta - 1) / tokens_per_cta, max_ctas);
   const dim3 grid(unsigned(ctas), 2);
-  if (e4m3) {
-    if (stats != nullptr) {
-      launch_kernel<true, true>(kp, slots64, unroll, tokens, grid, stream);
-    } else {
-      launch_kernel<true, false>(kp, slots64, unroll, tokens, grid, stream);
-    }
+  const bool with_stats = stats != nullptr;
+  if (!e4m3) {
+    launch_kernel<CacheStore::kF16>(kp, slots64, with_stats, unroll, tokens, grid, stream);
+  } else if (encode == CacheWriteEncode::kAuto && cache_write_hardware_encode_usable(device)) {
+    launch_kernel<CacheStore::kE4m3Hardware>(kp, slots64, with_stats, unroll, tokens, grid, stream);
   } else {
-    if (stats != nullptr) {
-      launch_kernel<false, true>(kp, slots64, unroll, tokens, grid, stream);
-    } else {
-      launch_kernel<false, false>(kp, slots64, unroll, tokens, grid, stream);
-    }
+    launch_kernel<CacheStore::kE4m3Software>(kp, slots64, with_stats, unroll, tokens, grid, stream);
   }
   return ok_status();
 }
 
 }  // namespace
+
+bool cache_write_hardware_encode_usable(int device) {
+  if (!e4m3_native_available(device)) return false;
+  // The PTX architecture that the device's kernels come from (fixed for the process): code JIT-
+  // compiled from older PTX holds only the trap of encode4_hardware.
+  static std::mutex mutex;
+  static std::unordered_map<int, bool> built;  // by device
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = built.find(device);
+  if (it != built.end()) return it->second;
+  int saved = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&saved));
+  E4KV_CUDA_CHECK(cudaSetDevice(device));
+  cudaFuncAttributes attr{};
+  E4KV_CUDA_CHECK(cudaFuncGetAttributes(
+      &attr, cache_write_kernel<CacheStore::kE4m3Hardware, false, 1, 1, int64_t>));
+  E4KV_CUDA_CHECK(cudaSetDevice(saved));
+  return built.emplace(device, attr.ptxVersion >= 89).first->second;
+}
 
 CacheWriteDivision cache_write_division_mode(float scale) {
   E4KV_ASSERT(std::isfinite(scale) && scale > 0.0f,
@@ -777,14 +875,14 @@ std::pair<KvTensorStats, KvTensorStats> CacheWriteStatsBuffer::read(cudaStream_t
 
 Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
                    const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
-                   const CacheWriteStatsView* stats, cudaStream_t stream) {
-  return launch(cache, k, v, slot_mapping, true, n_tokens, non_finite, stats, stream);
+                   const CacheWriteStatsView* stats, cudaStream_t stream, CacheWriteEncode encode) {
+  return launch(cache, k, v, slot_mapping, true, n_tokens, non_finite, stats, stream, encode);
 }
 
 Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
                    const int32_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
-                   const CacheWriteStatsView* stats, cudaStream_t stream) {
-  return launch(cache, k, v, slot_mapping, false, n_tokens, non_finite, stats, stream);
+                   const CacheWriteStatsView* stats, cudaStream_t stream, CacheWriteEncode encode) {
+  return launch(cache, k, v, slot_mapping, false, n_tokens, non_finite, stats, stream, encode);
 }
 
 }  // namespace e4kv::cuda

@@ -79,6 +79,18 @@ CacheWriteDivision cache_write_division_mode(float scale);
 uint8_t cache_write_magnitude_code(uint16_t f16_magnitude, float scale,
                                    CacheWriteDivision division);
 
+// Which E4M3 encoder a cache write runs; both give the same bytes (see the top of cache_write.cu).
+enum class CacheWriteEncode : int32_t {
+  kAuto = 0,      // hardware where cache_write_hardware_encode_usable(), else software
+  kSoftware = 1,  // software on every GPU (tests and benchmarks of that path)
+};
+
+// True when an E4M3 cache write with CacheWriteEncode::kAuto on `device` runs the hardware
+// conversion (cvt.rn.satfinite.e4m3x2.f32): sm_89+, not forced to software (e4m3_native_available,
+// which honours E4KV_FORCE_SOFTWARE_E4M3), and this binary holds kernels compiled for sm_89+ (not
+// only older PTX, which the driver would compile without the hardware path).
+bool cache_write_hardware_encode_usable(int device);
+
 // Writes n_tokens K/V rows into one layer's cache (device pointers throughout), as
 // e4kv::cache_write does on the CPU:
 //   k, v:         [n_tokens, n_kv_heads, head_dim] FP16 bits
@@ -88,13 +100,16 @@ uint8_t cache_write_magnitude_code(uint16_t f16_magnitude, float scale,
 //                 nullptr to skip counting
 //   stats:        nullptr, or fused statistics of the written rows' FP16 values (skipped tokens are
 //                 not observed)
+//   encode:       the E4M3 encoder (FP16 caches ignore it); kSoftware to test or time that path
 // Limits: n_kv_heads * head_dim a multiple of 16; k, v and cache.data 16-byte aligned. Returns an
 // error for inputs outside the limits or invalid E4M3 scales; launch failures are fatal.
 Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
                    const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
-                   const CacheWriteStatsView* stats, cudaStream_t stream);
+                   const CacheWriteStatsView* stats, cudaStream_t stream,
+                   CacheWriteEncode encode = CacheWriteEncode::kAuto);
 Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
                    const int32_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
-                   const CacheWriteStatsView* stats, cudaStream_t stream);
+                   const CacheWriteStatsView* stats, cudaStream_t stream,
+                   CacheWriteEncode encode = CacheWriteEncode::kAuto);
 
 }  // namespace e4kv::cuda
