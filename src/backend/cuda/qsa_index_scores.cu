@@ -71,7 +71,10 @@ static_assert(kTileGroups % kRunGroups == 0 && kRunGroups <= 32);
 constexpr int kChunkVecs = 4;               // 16-byte vectors (8 dims) per row
 constexpr int kChunkDims = 8 * kChunkVecs;  // dims per stage
 // Ring depth. 2 (one stage in flight while one is computed) measured 4-6% faster than 3 on the
-// H200 at 4 x 32K groups, from L2 and from HBM alike: a smaller first burst of copies.
+// H200 at 4 x 32K groups, from L2 and from HBM alike: a smaller first burst of copies. Again with
+// the FFMA math (2026-12-01), 2 / 3 / 4 stages: 15.3 / 16.3 / 16.4 us cold, 11.5 / 11.7 / 12.9 us
+// from L2 (deeper rings lower the occupancy: 108 registers and 4 warps per CTA already hold it to
+// 16 warps per SM).
 constexpr int kStages = 2;
 constexpr int kStageVecs = kTileGroups * kChunkVecs;        // 256 x 16 bytes
 constexpr int kStageBytes = kStageVecs * 16;                // 4 KB
@@ -134,24 +137,28 @@ __device__ __forceinline__ void copy_16_or_zero(uint4* smem, const uint16_t* gme
 }
 
 // Tiles started by the producer side of a warp and not yet started by its consumer side. The
-// producer runs kStages - 1 <= 2 stages ahead, so at most two tiles wait here (see the main loop).
+// producer runs kStages - 1 stages ahead, so at most kStages - 1 tiles wait here (one stage per
+// tile when index_dim <= 32; see the main loop).
 struct TileQueue {
-  int32_t row[2];
-  uint32_t tile[2];  // tile index within the row
-  int32_t valid[2];  // groups of the tile below the row's visible count (1..64)
+  static constexpr int kCapacity = kStages - 1 > 0 ? kStages - 1 : 1;
+  int32_t row[kCapacity];
+  uint32_t tile[kCapacity];  // tile index within the row
+  int32_t valid[kCapacity];  // groups of the tile below the row's visible count (1..64)
   int size = 0;
 
   __device__ __forceinline__ void push(int32_t r, uint32_t t, int32_t v) {
-    if (size == 0) {
-      row[0] = r, tile[0] = t, valid[0] = v;
-    } else {
-      row[1] = r, tile[1] = t, valid[1] = v;
+#pragma unroll
+    for (int i = 0; i < kCapacity; ++i) {
+      if (i == size) row[i] = r, tile[i] = t, valid[i] = v;
     }
     ++size;
   }
   __device__ __forceinline__ void pop(int32_t& r, uint32_t& t, int32_t& v) {
     r = row[0], t = tile[0], v = valid[0];
-    row[0] = row[1], tile[0] = tile[1], valid[0] = valid[1];
+#pragma unroll
+    for (int i = 0; i + 1 < kCapacity; ++i) {
+      row[i] = row[i + 1], tile[i] = tile[i + 1], valid[i] = valid[i + 1];
+    }
     --size;
   }
 };
@@ -308,6 +315,9 @@ __device__ __forceinline__ float finish_score(const float (&acc)[kHeads], float 
 }
 
 template <int kHeads>
+// No minimum of CTAs per SM: asking for 5 (96 registers, a 32-byte spill) or 6 (80 registers, 140
+// bytes) measured 15.9 and 18.1 us cold against 15.7 us at 4 x 32K groups (2026-12-01): more
+// resident warps do not hide what the extra instructions cost.
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
     qsa_index_scores_kernel(const __grid_constant__ ScoresKernelParams p) {
   extern __shared__ __align__(16) unsigned char scores_smem[];
@@ -336,17 +346,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
   producer.tile_in_row = uint32_t(producer.tile - int64_t(producer.row) * p.tiles_per_row);
   TileQueue queue;
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    producer.produce(p, lane, n_vecs, ring + s * kStageVecs, queue);
-  }
-
-  // Lane's rows in a stage: groups lane and lane + 32, vectors swizzled by (row / 2) % 4.
-  const int swizzle = (lane >> 1) & 3;
   // A row's query goes through registers (lane j < n_vecs holds vector j of every head) into
-  // shared memory as [index_dim / 8][n_heads][8] fp32. The first tile's query is fetched here,
-  // while its rows' copies are in flight; a later row's is requested before the copies of the
-  // iteration that starts it and stored after them.
+  // shared memory as [index_dim / 8][n_heads][8] fp32. The first row's is requested before
+  // anything else (its row is known without a load; ncu showed 15% of the kernel's stall samples
+  // on it when it was requested after the first copies, behind the block-table loads); a later
+  // row's is requested before the copies of the iteration that starts it and stored after them.
   auto load_q = [&](int32_t row, uint4(&raw)[kHeads]) {
     const uint4* src = reinterpret_cast<const uint4*>(p.index_q + int64_t(row) * kHeads * dim);
 #pragma unroll
@@ -354,6 +358,17 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
       raw[h] = lane < n_vecs ? __ldg(src + h * n_vecs + lane) : make_uint4(0u, 0u, 0u, 0u);
     }
   };
+  const int32_t first_row = producer.row;
+  uint4 first_q[kHeads];
+  if (producer.tile < producer.tile_end) load_q(first_row, first_q);
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    producer.produce(p, lane, n_vecs, ring + s * kStageVecs, queue);
+  }
+
+  // Lane's rows in a stage: groups lane and lane + 32, vectors swizzled by (row / 2) % 4.
+  const int swizzle = (lane >> 1) & 3;
   auto store_q = [&](const uint4(&raw)[kHeads]) {
     if (lane < n_vecs) {
 #pragma unroll
@@ -368,9 +383,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
   };
   int32_t q_row = -1;  // row whose query is in q_s
   if (queue.size > 0) {
-    uint4 raw[kHeads];
-    load_q(queue.row[0], raw);
-    store_q(raw);  // made visible by the loop's first barrier
+    if (queue.row[0] != first_row) load_q(queue.row[0], first_q);  // the first row was skipped
+    store_q(first_q);  // made visible by the loop's first barrier
     q_row = queue.row[0];
   }
 

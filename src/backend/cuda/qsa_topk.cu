@@ -877,13 +877,16 @@ __global__ void __launch_bounds__(kFilterThreads)
 //     >= k runs, hence >= k distinct groups, have a maximum >= L, and L <= T. (q > 4 rpw: L = 0,
 //     every group is a candidate.) Fewer, larger samples than one bound per warp: the smallest of
 //     32 estimates of the top-k/n_runs quantile of ~128 maxima each is much closer to T than the
-//     smallest of 128 estimates from 32 maxima each (measured: about 3x fewer candidates). Each
-//     CTA publishes its smallest bound and its largest run maximum; one cluster barrier; each
-//     warp reads the 8 pairs.
+//     smallest of 128 estimates from 32 maxima each (14.2 -> 10.9 us with the move to 512
+//     threads). Each CTA sends its smallest bound and its largest run maximum to every CTA.
 //  2. Candidates: the groups >= L of the CTA's open runs go to its shared memory (key, group);
-//     one cluster barrier; every CTA copies all CTAs' candidates (m <= kClusterCandidates of them)
-//     in CTA order into its own shared memory, then arrives on a cluster barrier that it waits on
-//     only before it exits (its candidates must stay readable until every CTA has copied them).
+//     each CTA sends its count to every CTA, then every candidate to every CTA at its place in
+//     CTA order (m <= kClusterCandidates in all), so each CTA holds all of them.
+//  The exchanges are st.async stores into the receiver's shared memory, counted by an mbarrier
+//  of the receiver, which waits for the bytes it expects: no cluster barrier has to publish data
+//  (a release arrive costs a GPU-scope MEMBAR, about 1.5K cycles each under ncu). One relaxed
+//  cluster barrier at the start makes the mbarriers' initialisation visible; one at the end keeps
+//  every CTA's shared memory alive until all sends into it have landed.
 //  3. Exact select, in every CTA alike (no further exchange): a 2048-bin histogram of the keys in
 //     [lo, hi] (first L .. the largest maximum) finds the bin of the rank-th largest key; a bin of
 //     one key value, or of at most kClusterDirectRank keys (ranked by direct comparison), ends it,
@@ -917,30 +920,62 @@ static_assert(kClusterThreads >= kBins && kClusterWarps >= kBoundWarps);
 static_assert(kClusterWarps * 32 * kClusterShortSlots * kRun * kClusterCtas == 32768);
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // cluster instructions: sm_90+
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+// Cluster barrier halves without a memory fence: the data the CTAs exchange travels by st.async
+// into the receiver's shared memory and is tracked by the receiver's mbarrier, so no barrier has
+// to publish it (a release arrive costs a GPU-scope MEMBAR: ncu put about 1.5K cycles on each).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
   return rank;
 }
+__device__ __forceinline__ uint32_t shared_address(const void* local) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(local));
+}
 // The shared::cluster address of `local` (a shared-memory variable of this CTA) in CTA `rank`.
 __device__ __forceinline__ uint32_t peer_address(const void* local, uint32_t rank) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(local));
   uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(shared_address(local)), "r"(rank));
   return remote;
 }
-__device__ __forceinline__ uint32_t load_peer_u32(uint32_t remote) {
-  uint32_t value;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(value) : "r"(remote) : "memory");
-  return value;
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(bar)) : "memory");
 }
-
+// The single arrival of the barrier's phase, announcing `bytes` of st.async data (which may have
+// landed already: the transaction count may go below zero meanwhile).
+__device__ __forceinline__ void mbarrier_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0u;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  } while (done == 0u);
+}
+// 8 bytes into CTA `rank`'s shared memory at `local`'s place, counted by its `bar`.
+__device__ __forceinline__ void send_async(const void* local, uint32_t rank, uint32_t a,
+                                           uint32_t b, uint64_t* bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.u32 [%0], {%1, %2}, [%3];\n" ::"r"(
+          peer_address(local, rank)),
+      "r"(a), "r"(b), "r"(peer_address(bar, rank))
+      : "memory");
+}
 #endif
 
 template <int kSlots>
@@ -951,13 +986,15 @@ __global__ void __launch_bounds__(kClusterThreads)
   extern __shared__ __align__(16) uint32_t cluster_smem[];
   uint32_t* own_keys = cluster_smem;
   int32_t* own_groups = reinterpret_cast<int32_t*>(own_keys + kClusterCandidates);
-  uint32_t* all_keys = own_keys + 2 * kClusterCandidates;
-  int32_t* all_groups = reinterpret_cast<int32_t*>(all_keys + kClusterCandidates);
-  uint32_t* maxima_s = all_keys;  // step 1 only: the slice's run maxima (local run order)
-  uint32_t* hist = all_keys + 2 * kClusterCandidates;
+  // Every CTA's candidates (key, group), in CTA order, as the CTAs send them.
+  uint2* all_pairs = reinterpret_cast<uint2*>(own_keys + 2 * kClusterCandidates);
+  uint32_t* maxima_s = own_keys + 2 * kClusterCandidates;  // step 1 only: the slice's run maxima
+  uint32_t* hist = own_keys + 4 * kClusterCandidates;
   uint32_t* above_bits = hist + kClusterBins;
   uint32_t* equal_bits = above_bits + kClusterSliceWords;
-  __shared__ uint32_t published[3];  // the CTA's bound, largest run maximum, candidate count
+  __shared__ uint2 sent_bounds[kClusterCtas];  // from CTA c: its bound, its largest run maximum
+  __shared__ uint2 sent_counts[kClusterCtas];  // from CTA c: its candidate count, 0
+  __shared__ __align__(8) uint64_t bars[3];    // bounds, counts, candidates
   __shared__ uint32_t warp_bound[kBoundWarps];
   __shared__ uint32_t warp_top[kClusterWarps];
   __shared__ SelectShared sel;
@@ -993,7 +1030,13 @@ __global__ void __launch_bounds__(kClusterThreads)
     if (tid == 0) {
       n_own_s = 0u;
       base_s[0] = base_s[1] = 0u;
+      for (uint64_t& bar : bars) mbarrier_init(&bar);
+      mbarrier_expect(&bars[0], kClusterCtas * 8);
+      mbarrier_expect(&bars[1], kClusterCtas * 8);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    // Waited on before the first send: then every CTA's barriers are initialised.
+    cluster_arrive_relaxed();
     const int32_t n_runs = (visible + kRun - 1) / kRun;
     const int32_t rpw = (n_runs + kClusterWarpsTotal - 1) / kClusterWarpsTotal;
     const int32_t slice_runs = kClusterWarps * rpw;
@@ -1054,6 +1097,7 @@ __global__ void __launch_bounds__(kClusterThreads)
       if (lane == 0) warp_bound[warp] = bound;
     }
     __syncthreads();
+    cluster_wait();
     if (warp == 0) {
       uint32_t b = lane < kBoundWarps ? warp_bound[lane] : ~0u;
       uint32_t t = lane < kClusterWarps ? warp_top[lane] : 0u;
@@ -1064,15 +1108,14 @@ __global__ void __launch_bounds__(kClusterThreads)
         b = ob < b ? ob : b;
         t = ot > t ? ot : t;
       }
-      if (lane == 0) published[0] = b, published[1] = t;
+      if (lane < kClusterCtas) send_async(&sent_bounds[rank], uint32_t(lane), b, t, &bars[0]);
     }
-    cluster_arrive();
-    cluster_wait();
+    mbarrier_wait(&bars[0], 0u);
     uint32_t floor_key = ~0u;
     uint32_t top_key = 0u;
     if (lane < kClusterCtas) {
-      floor_key = load_peer_u32(peer_address(&published[0], uint32_t(lane)));
-      top_key = load_peer_u32(peer_address(&published[1], uint32_t(lane)));
+      floor_key = sent_bounds[lane].x;
+      top_key = sent_bounds[lane].y;
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -1120,44 +1163,33 @@ __global__ void __launch_bounds__(kClusterThreads)
       }
     }
     __syncthreads();
-    if (tid == 0) published[2] = n_own_s;
-    cluster_arrive();
-    cluster_wait();
+    const uint32_t n_own = n_own_s;
+    if (warp == 0 && lane < kClusterCtas) {
+      send_async(&sent_counts[rank], uint32_t(lane), n_own, 0u, &bars[1]);
+    }
+    mbarrier_wait(&bars[1], 0u);
     // Every warp: the CTAs' counts (lane c < 8 holds CTA c's) and offsets.
-    const uint32_t count =
-        lane < kClusterCtas ? load_peer_u32(peer_address(&published[2], uint32_t(lane))) : 0u;
+    const uint32_t count = lane < kClusterCtas ? sent_counts[lane].x : 0u;
     const uint32_t count_end = warp_inclusive_scan(count, lane);
     const uint32_t n_cand = __shfl_sync(kFullMask, count_end, kClusterCtas - 1);
     const uint32_t own_offset = __shfl_sync(kFullMask, count_end - count, int(rank));
     const bool in_shared = n_cand <= uint32_t(kClusterCandidates);  // uniform over the cluster
     if (in_shared) {
-      uint32_t ends[kClusterCtas];
+      // Each candidate to every CTA (this one included), at its place in CTA order.
+      if (tid == 0) mbarrier_expect(&bars[2], n_cand * 8u);
+      for (uint32_t i = uint32_t(tid); i < n_own; i += kClusterThreads) {
+        const uint32_t key = own_keys[i];
+        const uint32_t group = uint32_t(own_groups[i]);
 #pragma unroll
-      for (int c = 0; c < kClusterCtas; ++c) ends[c] = __shfl_sync(kFullMask, count_end, c);
-      // Two candidates per thread and round, their four remote loads issued together.
-      for (uint32_t i0 = uint32_t(tid); i0 < n_cand; i0 += 2 * kClusterThreads) {
-        uint32_t key[2];
-        uint32_t group[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t i = i0 + uint32_t(h * kClusterThreads);
-          const uint32_t at = i < n_cand ? i : 0u;
-          uint32_t c = 0u;
-#pragma unroll
-          for (int d = 0; d < kClusterCtas - 1; ++d) c += at >= ends[d] ? 1u : 0u;
-          const uint32_t local = at - (c == 0u ? 0u : ends[c - 1]);
-          key[h] = load_peer_u32(peer_address(own_keys + local, c));
-          group[h] = load_peer_u32(peer_address(own_groups + local, c));
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t i = i0 + uint32_t(h * kClusterThreads);
-          if (i < n_cand) all_keys[i] = key[h], all_groups[i] = int32_t(group[h]);
+        for (uint32_t c = 0; c < uint32_t(kClusterCtas); ++c) {
+          send_async(&all_pairs[own_offset + i], c, key, group, &bars[2]);
         }
       }
+      mbarrier_wait(&bars[2], 0u);
     }
-    cluster_arrive();  // done with the other CTAs' shared memory; waited on before the exit
-    __syncthreads();
+    // Everything sent to this CTA has landed; the exit waits until that holds for every CTA (a
+    // CTA's shared memory must outlive the sends into it).
+    cluster_arrive_relaxed();
 
     // Streams groups [begin, end) of the row (thread t: begin + t, + 512, ...), kFilterUnroll
     // loads in flight; calls f(key, valid, group) warp-uniformly. The overflow path only.
@@ -1192,7 +1224,7 @@ __global__ void __launch_bounds__(kClusterThreads)
         for (int b = 0; b < kBinsPerThread; ++b) hist[b * kClusterThreads + tid] = 0u;
         __syncthreads();
         for (uint32_t i = uint32_t(tid); i < n_cand; i += kClusterThreads) {
-          const uint32_t key = all_keys[i];
+          const uint32_t key = all_pairs[i].x;
           if (key >= lo && key <= hi) atomicAdd(&hist[(key - lo) >> shift], 1u);
         }
         __syncthreads();
@@ -1234,7 +1266,7 @@ __global__ void __launch_bounds__(kClusterThreads)
         if (in_bin <= uint32_t(kClusterDirectRank)) {
           // The bin's keys side by side (in the histogram's place), each ranked by comparison.
           for (uint32_t i = uint32_t(tid); i < n_cand; i += kClusterThreads) {
-            const uint32_t key = all_keys[i];
+            const uint32_t key = all_pairs[i].x;
             if (key >= lo && key <= hi) hist[atomicAdd(&n_bin_s, 1u)] = key;
           }
           __syncthreads();
@@ -1274,8 +1306,8 @@ __global__ void __launch_bounds__(kClusterThreads)
     uint32_t equal = 0u;
     if (in_shared) {
       for (uint32_t i = uint32_t(tid); i < own_offset; i += kClusterThreads) {
-        above += all_keys[i] > threshold ? 1u : 0u;
-        equal += all_keys[i] == threshold ? 1u : 0u;
+        above += all_pairs[i].x > threshold ? 1u : 0u;
+        equal += all_pairs[i].x == threshold ? 1u : 0u;
       }
     } else {
       stream_groups(0, slice_group_begin, [&](uint32_t key, bool valid, int32_t) {
@@ -1297,7 +1329,6 @@ __global__ void __launch_bounds__(kClusterThreads)
     for (int32_t w = tid; w < n_words; w += kClusterThreads) above_bits[w] = equal_bits[w] = 0u;
     __syncthreads();
     if (in_shared) {
-      const uint32_t n_own = n_own_s;  // <= n_cand
       for (uint32_t i = uint32_t(tid); i < n_own; i += kClusterThreads) {
         const uint32_t key = own_keys[i];
         if (key >= threshold) {
