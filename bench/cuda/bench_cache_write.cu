@@ -17,11 +17,13 @@
 #include "backend/cuda/cache_write.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "bench_data.cuh"
 #include "bench_timing.cuh"
 
 namespace {
 
 using e4kv::bench::copy_bandwidth_tbs;
+using e4kv::bench::fill_f16;
 using e4kv::bench::time_ms;
 
 using namespace e4kv;
@@ -32,18 +34,6 @@ struct Shape {
   int n_kv_heads;
   int head_dim;
 };
-
-// Finite FP16 values of modest magnitude (exponents 2^-5 .. 2^0), both signs.
-__global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    data[i] = uint16_t((x & 0x83FFu) | ((10u + (x >> 16) % 6) << 10));
-  }
-}
 
 struct Measurement {
   std::string shape;
@@ -78,10 +68,9 @@ Measurement run(const Shape& s, int64_t tokens, KvCacheDtype dtype, CacheWriteEn
   E4KV_CUDA_CHECK(cudaMalloc(&slots, size_t(tokens) * sizeof(int64_t)));
   E4KV_CUDA_CHECK(cudaMalloc(&non_finite, 2 * sizeof(unsigned long long)));
   E4KV_CUDA_CHECK(cudaMemset(non_finite, 0, 2 * sizeof(unsigned long long)));
-  fill_f16_kernel<<<4096, 256>>>(k, kv_bytes / 2 * n_copies, 12345u);
-  E4KV_CUDA_CHECK_LAUNCH();
-  fill_f16_kernel<<<4096, 256>>>(v, kv_bytes / 2 * n_copies, 777u);
-  E4KV_CUDA_CHECK_LAUNCH();
+  // Finite FP16 values of modest magnitude (exponents 2^-5 .. 2^0), both signs.
+  fill_f16(k, kv_bytes / 2 * n_copies, 12345u, 10u, 6u);
+  fill_f16(v, kv_bytes / 2 * n_copies, 777u, 10u, 6u);
   E4KV_CUDA_CHECK(cudaMemset(cache, 0, geo.total_bytes() * n_copies));
 
   // Decode-like scatter: a shuffled permutation of the cache's slots.

@@ -24,6 +24,7 @@ namespace {
 
 using e4kv::bench::copy_bandwidth_tbs;
 using e4kv::bench::fill_cache_bytes;
+using e4kv::bench::graph_ms;
 using e4kv::bench::time_ms;
 using e4kv::bench::upload;
 
@@ -51,40 +52,6 @@ struct Measurement {
   int64_t splits;
   int64_t resident_ctas;
 };
-
-// Median time of one call of `launch(stream)` replayed from a CUDA graph of 20 calls.
-template <class F>
-float graph_ms(F&& launch) {
-  constexpr int kCalls = 20;
-  cudaStream_t stream;
-  E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kCalls; ++i) launch(stream);
-  E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  E4KV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  E4KV_CUDA_CHECK(cudaEventCreate(&start));
-  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 2; ++i) E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> times;
-  for (int i = 0; i < 7; ++i) {
-    E4KV_CUDA_CHECK(cudaEventRecord(start, stream));
-    E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    E4KV_CUDA_CHECK(cudaEventRecord(stop, stream));
-    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / kCalls);
-  }
-  E4KV_CUDA_CHECK(cudaEventDestroy(start));
-  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
-  E4KV_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
-  E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
-  return e4kv::bench::median(times);
-}
 
 // "fp16", "e4m3-soft" or "e4m3-native", with "-reg" for the register load path.
 std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
@@ -210,7 +177,7 @@ std::vector<Measurement> run(const Shape& s, KvCacheDtype dtype,
       if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
     };
     const float ms = time_ms([&] { launch(nullptr); });
-    const float gms = graph_ms(launch);
+    const float gms = graph_ms([&](cudaStream_t stream, int) { launch(stream); }, 20);
     out.push_back(Measurement{s.name, kv_name(dtype, config), v.name, ms, gms, bytes,
                               bytes / (ms * 1e-3) / 1e12, v.plan.n_splits, *resident});
   }

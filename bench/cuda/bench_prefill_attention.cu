@@ -48,8 +48,8 @@ double cublas_tflops() {
   fill_cache_bytes(static_cast<uint8_t*>(b), size_t(n) * n * 2, 2u, false);
   const float alpha = 1.0f, beta = 0.0f;
   const float ms = time_ms([&] {
-    cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16F, n, b,
-                 CUDA_R_16F, n, &beta, c, CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16F, n, b, CUDA_R_16F,
+                 n, &beta, c, CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   });
   cublasDestroy(handle);
   for (void* p : {a, b, c}) E4KV_CUDA_CHECK(cudaFree(p));
@@ -78,7 +78,8 @@ Measurement run(const Shape& s, KvCacheDtype dtype, bool native) {
   std::shuffle(table.begin(), table.end(), rng);
   const int64_t n_rows = int64_t(s.batch) * s.len;
   std::vector<int32_t> row_seq(n_rows), row_pos(n_rows), seq_lens(s.batch, s.len);
-  for (int64_t r = 0; r < n_rows; ++r) row_seq[r] = int32_t(r / s.len), row_pos[r] = int32_t(r % s.len);
+  for (int64_t r = 0; r < n_rows; ++r)
+    row_seq[r] = int32_t(r / s.len), row_pos[r] = int32_t(r % s.len);
   std::vector<RouteTile> tiles;
   for (int64_t r = 0; r < n_rows; r += 64) {
     tiles.push_back(RouteTile{r, std::min<int64_t>(64, n_rows - r), row_seq[r]});

@@ -49,7 +49,10 @@
 
 namespace {
 
+using e4kv::bench::check;
 using e4kv::bench::fill_cache_bytes;
+using e4kv::bench::fill_f16;
+using e4kv::bench::graph_ms;
 using e4kv::bench::time_ms;
 using e4kv::bench::upload;
 
@@ -71,64 +74,11 @@ constexpr int64_t kPos = kCtx - 2;                // every decode row's position
 constexpr int64_t kMaxGroups = kCtx / kRatio;
 constexpr int kGraphMinSteps = 20;
 
-// Random FP16 values in a modest range (sign, exponent 2^-6..2^1, random mantissa), as in
-// bench_qsa_indexer.cu: index scores spread enough that the top-k is not decided by ties.
-__global__ void fill_f16_kernel(uint16_t* data, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t x = uint32_t(i) * 2654435761u ^ seed;
-    x ^= x >> 13;
-    x *= 0x5bd1e995u;
-    x ^= x >> 15;
-    data[i] = uint16_t((x & 0x8000u) | ((9u + (x >> 16) % 8u) << 10) | (x & 0x3FFu));
-  }
-}
-
-void check(const Status& st) {
-  if (!st.ok()) std::fprintf(stderr, "%s\n", st.message().c_str()), std::exit(1);
-}
-
 // One step's time in both modes, ms.
 struct Timing {
   double ms = 0;
   double graph_ms = 0;
 };
-
-// Median time of one step replayed from a CUDA graph captured once on a non-default stream; the
-// graph holds whole rounds over the copies (step i reads copy i % copies), at least
-// kGraphMinSteps steps.
-template <class F>
-float graph_step_ms(F&& step, int copies) {
-  const int steps = copies * ((kGraphMinSteps + copies - 1) / copies);
-  cudaStream_t stream;
-  E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < steps; ++i) step(stream, i % copies);
-  E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  E4KV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  E4KV_CUDA_CHECK(cudaEventCreate(&start));
-  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 2; ++i) E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> times;
-  for (int i = 0; i < 7; ++i) {
-    E4KV_CUDA_CHECK(cudaEventRecord(start, stream));
-    E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    E4KV_CUDA_CHECK(cudaEventRecord(stop, stream));
-    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms / steps);
-  }
-  E4KV_CUDA_CHECK(cudaEventDestroy(start));
-  E4KV_CUDA_CHECK(cudaEventDestroy(stop));
-  E4KV_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
-  E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
-  return e4kv::bench::median(times);
-}
 
 // `step(stream, copy)` enqueues one step reading copy `copy`; both modes rotate over the copies.
 template <class F>
@@ -139,7 +89,10 @@ Timing time_step(F&& step, int copies) {
     step(cudaStream_t(nullptr), next_copy);
     next_copy = (next_copy + 1) % copies;
   });
-  t.graph_ms = graph_step_ms(step, copies);
+  // One graph of whole rounds over the copies (step i reads copy i % copies), at least
+  // kGraphMinSteps steps, so back-to-back replays keep the rotation.
+  const int steps = copies * ((kGraphMinSteps + copies - 1) / copies);
+  t.graph_ms = graph_ms([&](cudaStream_t stream, int i) { step(stream, i % copies); }, steps);
   return t;
 }
 
@@ -217,9 +170,10 @@ int main(int argc, char** argv) {
   uint16_t* d_compressed = nullptr;
   E4KV_CUDA_CHECK(cudaMalloc(&d_compressed, compressed_elems * 2 * size_t(copies)));
   for (int c = 0; c < copies; ++c) {
-    fill_f16_kernel<<<4096, 256>>>(d_compressed + compressed_elems * size_t(c), compressed_elems,
-                                   1000u + 7919u * uint32_t(c));
-    E4KV_CUDA_CHECK_LAUNCH();
+    // Random FP16 values in a modest range (sign, exponent 2^-6..2^1, random mantissa), as in
+    // bench_qsa_indexer.cu: index scores spread enough that the top-k is not decided by ties.
+    fill_f16(d_compressed + compressed_elems * size_t(c), compressed_elems,
+             1000u + 7919u * uint32_t(c), 9u, 8u);
   }
 
   std::mt19937 rng(7);
@@ -256,8 +210,7 @@ int main(int argc, char** argv) {
       &d_top_k_ws,
       std::max<size_t>(1, qsa_top_k_workspace_bytes(kBatch, kMaxGroups, kBudget, kRatio))));
   fill_cache_bytes(d_q, q_elems * 2, 99u, false);
-  fill_f16_kernel<<<16, 256>>>(d_index_q, size_t(kBatch * kIndexHeads * kIndexDim), 99u);
-  E4KV_CUDA_CHECK_LAUNCH();
+  fill_f16(d_index_q, size_t(kBatch * kIndexHeads * kIndexDim), 99u, 9u, 8u);
 
   QueryBatchView rows;
   rows.n_rows = kBatch;

@@ -96,6 +96,62 @@ __device__ __forceinline__ uint32_t order_key(float score) {
   return (bits & 0x80000000u) != 0u ? ~bits : (bits | 0x80000000u);
 }
 
+// A query row's position and visible groups: min((pos + 1) / ratio, seq_len / ratio), cut to
+// [0, max_groups]. P: any of the kernels' parameter structs.
+struct RowGroups {
+  int32_t pos;
+  int32_t causal;  // (pos + 1) / ratio: the complete groups up to pos
+  int32_t visible;
+};
+template <class P>
+__device__ __forceinline__ RowGroups row_groups(const P& p, int64_t row) {
+  RowGroups g;
+  g.pos = p.row_pos[row];
+  g.causal = (g.pos + 1) / p.ratio;
+  const int32_t written = p.seq_lens[p.row_seq[row]] / p.ratio;
+  g.visible = g.causal < written ? g.causal : written;
+  if (g.visible > p.max_groups) g.visible = int32_t(p.max_groups);
+  if (g.visible < 0) g.visible = 0;
+  return g;
+}
+
+// After the row's n_groups selected groups (n_groups * ratio tokens in out): the causal tail
+// ratio * causal .. pos, then -1 up to `width`, and the count. Every thread of the block
+// (kThreads) calls it.
+template <int kThreads, class P>
+__device__ __forceinline__ void write_tail(const P& p, int64_t row, const RowGroups& g,
+                                           int32_t n_groups, int32_t* out) {
+  const int32_t tail_begin = p.ratio * g.causal;
+  const int32_t group_tokens = n_groups * p.ratio;
+  const int32_t count = group_tokens + (g.pos + 1 - tail_begin);
+  for (int32_t j = group_tokens + int32_t(threadIdx.x); j < p.width; j += kThreads) {
+    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
+  }
+  if (threadIdx.x == 0) p.sel_counts[row] = count;
+}
+
+// Streams the order keys of groups [begin, end) of a row's scores (thread t: begin + t, then
+// + kThreads, ...), 8 loads in flight; calls f(key, valid, group) warp-uniformly.
+template <int kThreads, class F>
+__device__ __forceinline__ void stream_keys(const float* scores, int32_t begin, int32_t end,
+                                            F&& f) {
+  constexpr int kUnrollKeys = 8;
+  const int32_t tid = int32_t(threadIdx.x);
+  for (int32_t base = begin; base < end; base += kThreads * kUnrollKeys) {
+    uint32_t keys[kUnrollKeys];
+#pragma unroll
+    for (int u = 0; u < kUnrollKeys; ++u) {
+      const int32_t c = base + u * kThreads + tid;
+      keys[u] = c < end ? order_key(__ldg(scores + c)) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnrollKeys; ++u) {
+      const int32_t c = base + u * kThreads + tid;
+      f(keys[u], c < end, c);
+    }
+  }
+}
+
 __device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t value, int lane) {
 #pragma unroll
   for (int offset = 1; offset < 32; offset <<= 1) {
@@ -146,15 +202,9 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int64_t row = blockIdx.x;
-  const int32_t seq = p.row_seq[row];
-  const int32_t pos = p.row_pos[row];
-  const int32_t seq_len = p.seq_lens[seq];
+  const RowGroups rg = row_groups(p, row);
+  const int32_t visible = rg.visible;
   const int32_t ratio = p.ratio;
-  const int32_t causal = (pos + 1) / ratio;
-  const int32_t written = seq_len / ratio;
-  int32_t visible = causal < written ? causal : written;
-  if (visible > p.max_groups) visible = int32_t(p.max_groups);
-  if (visible < 0) visible = 0;
   int32_t* out = p.sel_tokens + row * p.width;
 
   int32_t n_groups;
@@ -249,14 +299,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Causal tail, then -1 padding.
-  const int32_t tail_begin = ratio * causal;
-  const int32_t group_tokens = n_groups * ratio;
-  const int32_t count = group_tokens + (pos + 1 - tail_begin);
-  for (int32_t j = group_tokens + tid; j < p.width; j += kThreads) {
-    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
-  }
-  if (tid == 0) p.sel_counts[row] = count;
+  write_tail<kThreads>(p, row, rg, n_groups, out);  // causal tail, then -1 padding
 }
 
 // Chunk phase: the exact top-k of one chunk of kChunk groups (ties to the lowest index) as
@@ -278,12 +321,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   const int warp = tid >> 5;
   const int64_t row = blockIdx.x;
   const int32_t first = int32_t(blockIdx.y) * kChunk;
-  const int32_t seq = p.row_seq[row];
-  const int32_t pos = p.row_pos[row];
-  const int32_t causal = (pos + 1) / p.ratio;
-  const int32_t written = p.seq_lens[seq] / p.ratio;
-  int32_t visible = causal < written ? causal : written;
-  if (visible > p.max_groups) visible = int32_t(p.max_groups);
+  const int32_t visible = row_groups(p, row).visible;
   if (visible <= p.k) return;
   int32_t n_valid = visible - first;
   n_valid = n_valid < 0 ? 0 : (n_valid > kChunk ? kChunk : n_valid);
@@ -388,7 +426,6 @@ constexpr int kFilterWarps = kFilterThreads / 32;
 constexpr int kRun = int(kQsaRunGroups);
 constexpr int kFilterMaxWords = 4096;  // per bitmap: 131072 groups
 constexpr int kFilterCandidates = 4096;
-constexpr int kFilterUnroll = 8;
 constexpr int kFilterShortRuns = 4;  // run slots per thread: rows up to 32768 groups
 constexpr int kFilterLongRuns = kFilterMaxWords * 32 / kRun / kFilterThreads;  // 131072 groups
 constexpr int kBoundBits = 12;  // leading bits of L (after those every run maximum shares)
@@ -567,6 +604,40 @@ __device__ __forceinline__ uint32_t warp_rank_prefix(const uint32_t (&keys)[kSlo
   return prefix;
 }
 
+// Appends the lane's keys >= floor_key (key 0: none) of kN runs (keys[u][i] is group
+// first_group(u) + i) to a shared list: one shared atomic per warp, so the list's order is the
+// warps' arrival order. Writes below `capacity` only; *count counts on past it.
+template <int kN, class FirstGroup>
+__device__ __forceinline__ void append_candidates(const uint32_t (&keys)[kN][kRun],
+                                                  uint32_t floor_key, FirstGroup first_group,
+                                                  uint32_t* count, uint32_t* list_keys,
+                                                  int32_t* list_groups, uint32_t capacity) {
+  const int lane = int(threadIdx.x) & 31;
+  uint32_t n_take = 0u;
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) n_take += keys[u][i] != 0u && keys[u][i] >= floor_key ? 1u : 0u;
+  }
+  const uint32_t inclusive = warp_inclusive_scan(n_take, lane);
+  uint32_t base = 0u;
+  if (lane == 31 && inclusive > 0u) base = atomicAdd(count, inclusive);
+  uint32_t slot = __shfl_sync(kFullMask, base, 31) + inclusive - n_take;
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) {
+      if (keys[u][i] != 0u && keys[u][i] >= floor_key) {
+        if (slot < capacity) {
+          list_keys[slot] = keys[u][i];
+          list_groups[slot] = first_group(u) + i;
+        }
+        ++slot;
+      }
+    }
+  }
+}
+
 // Exclusive block-wide scan of two counters at once (totals < 2^32 each) over kThreads threads.
 template <int kThreads = kFilterThreads>
 __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
@@ -661,14 +732,9 @@ __global__ void __launch_bounds__(kFilterThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int64_t row = blockIdx.x;
-  const int32_t seq = p.row_seq[row];
-  const int32_t pos = p.row_pos[row];
+  const RowGroups rg = row_groups(p, row);
+  const int32_t visible = rg.visible;
   const int32_t ratio = p.ratio;
-  const int32_t causal = (pos + 1) / ratio;
-  const int32_t written = p.seq_lens[seq] / ratio;
-  int32_t visible = causal < written ? causal : written;
-  if (visible > p.max_groups) visible = int32_t(p.max_groups);
-  if (visible < 0) visible = 0;
   int32_t* out = p.sel_tokens + row * p.width;
   const float* scores = p.scores + row * p.max_groups;
 
@@ -742,55 +808,15 @@ __global__ void __launch_bounds__(kFilterThreads)
             for (int i = 0; i < kRun; ++i) keys[du][i] = 0u;
           }
         }
-        uint32_t n_take = 0u;
-#pragma unroll
-        for (int du = 0; du < kBatch; ++du) {
-#pragma unroll
-          for (int i = 0; i < kRun; ++i) {
-            // Key 0 is no score's key: it marks loads that were not made.
-            n_take += keys[du][i] != 0u && keys[du][i] >= floor_key ? 1u : 0u;
-          }
-        }
-        const uint32_t inclusive = warp_inclusive_scan(n_take, lane);
-        uint32_t base = 0u;
-        if (lane == 31 && inclusive > 0u) base = atomicAdd(&n_cand_s, inclusive);
-        uint32_t slot = __shfl_sync(kFullMask, base, 31) + inclusive - n_take;
-#pragma unroll
-        for (int du = 0; du < kBatch; ++du) {
-#pragma unroll
-          for (int i = 0; i < kRun; ++i) {
-            if (keys[du][i] != 0u && keys[du][i] >= floor_key) {
-              if (slot < uint32_t(kFilterCandidates)) {
-                cand_keys[slot] = keys[du][i];
-                cand_groups[slot] = ((u0 + du) * kFilterThreads + tid) * kRun + i;
-              }
-              ++slot;
-            }
-          }
-        }
+        // Key 0 is no score's key: it marks loads that were not made.
+        append_candidates<kBatch>(
+            keys, floor_key, [&](int du) { return ((u0 + du) * kFilterThreads + tid) * kRun; },
+            &n_cand_s, cand_keys, cand_groups, uint32_t(kFilterCandidates));
       }
     }
     __syncthreads();
     const uint32_t n_cand = n_cand_s;
     const bool in_shared = n_cand <= uint32_t(kFilterCandidates);  // uniform
-
-    // Streams the row's keys (thread t: groups t, t + 1024, ...), kFilterUnroll loads in flight;
-    // calls f(key, valid, group) warp-uniformly. The overflow path only.
-    auto stream_row = [&](auto&& f) {
-      for (int32_t base = 0; base < visible; base += kFilterThreads * kFilterUnroll) {
-        uint32_t keys[kFilterUnroll];
-#pragma unroll
-        for (int u = 0; u < kFilterUnroll; ++u) {
-          const int32_t c = base + u * kFilterThreads + tid;
-          keys[u] = c < visible ? order_key(__ldg(scores + c)) : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < kFilterUnroll; ++u) {
-          const int32_t c = base + u * kFilterThreads + tid;
-          f(keys[u], c < visible, c);
-        }
-      }
-    };
 
     uint32_t threshold;
     uint32_t ties;
@@ -806,8 +832,9 @@ __global__ void __launch_bounds__(kFilterThreads)
     } else {
       block_radix_select(
           [&](auto&& f) {
-            stream_row(
-                [&](uint32_t key, bool valid, int32_t) { f(key, valid && key >= floor_key); });
+            stream_keys<kFilterThreads>(scores, 0, visible, [&](uint32_t key, bool valid, int32_t) {
+              f(key, valid && key >= floor_key);
+            });
           },
           uint32_t(p.k), 0, sel, threshold, ties);
     }
@@ -853,14 +880,7 @@ __global__ void __launch_bounds__(kFilterThreads)
     emit_from_bitmaps(above_bits, equal_bits, n_words, 0, 0u, 0u, ties, ratio, warp_totals, out);
   }
 
-  // Causal tail, then -1 padding.
-  const int32_t tail_begin = ratio * causal;
-  const int32_t group_tokens = n_groups * ratio;
-  const int32_t count = group_tokens + (pos + 1 - tail_begin);
-  for (int32_t j = group_tokens + tid; j < p.width; j += kFilterThreads) {
-    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
-  }
-  if (tid == 0) p.sel_counts[row] = count;
+  write_tail<kFilterThreads>(p, row, rg, n_groups, out);  // causal tail, then -1 padding
 }
 
 // ---- Cluster method (sm_90+) ------------------------------------------------------------------
@@ -900,7 +920,7 @@ constexpr int kClusterCtas = 8;
 constexpr int kClusterThreads = 512;
 constexpr int kClusterWarps = kClusterThreads / 32;
 constexpr int kClusterWarpsTotal = kClusterCtas * kClusterWarps;  // 128
-constexpr int kBoundWarps = 4;                                     // per CTA
+constexpr int kBoundWarps = 4;                                    // per CTA
 constexpr int kClusterCandidates = 4096;
 constexpr int kClusterBins = 2048;
 [[maybe_unused]] constexpr int kClusterBinBits = 11;  // bits of a histogram bin index
@@ -951,10 +971,10 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
 // The single arrival of the barrier's phase, announcing `bytes` of st.async data (which may have
 // landed already: the transaction count may go below zero meanwhile).
 __device__ __forceinline__ void mbarrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                   shared_address(bar)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+      "r"(bytes)
+      : "memory");
 }
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0u;
@@ -968,8 +988,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   } while (done == 0u);
 }
 // 8 bytes into CTA `rank`'s shared memory at `local`'s place, counted by its `bar`.
-__device__ __forceinline__ void send_async(const void* local, uint32_t rank, uint32_t a,
-                                           uint32_t b, uint64_t* bar) {
+__device__ __forceinline__ void send_async(const void* local, uint32_t rank, uint32_t a, uint32_t b,
+                                           uint64_t* bar) {
   asm volatile(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.u32 [%0], {%1, %2}, [%3];\n" ::"r"(
           peer_address(local, rank)),
@@ -1009,14 +1029,9 @@ __global__ void __launch_bounds__(kClusterThreads)
   const int warp = tid >> 5;
   const uint32_t rank = cluster_rank();
   const int64_t row = blockIdx.x / kClusterCtas;
-  const int32_t seq = p.row_seq[row];
-  const int32_t pos = p.row_pos[row];
+  const RowGroups rg = row_groups(p, row);
+  const int32_t visible = rg.visible;
   const int32_t ratio = p.ratio;
-  const int32_t causal = (pos + 1) / ratio;
-  const int32_t written = p.seq_lens[seq] / ratio;
-  int32_t visible = causal < written ? causal : written;
-  if (visible > p.max_groups) visible = int32_t(p.max_groups);
-  if (visible < 0) visible = 0;
   int32_t* out = p.sel_tokens + row * p.width;
   const float* scores = p.scores + row * p.max_groups;
 
@@ -1138,29 +1153,9 @@ __global__ void __launch_bounds__(kClusterThreads)
           for (int i = 0; i < kRun; ++i) keys[s][i] = 0u;
         }
       }
-      uint32_t n_take = 0u;
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-#pragma unroll
-        for (int i = 0; i < kRun; ++i) n_take += keys[s][i] != 0u && keys[s][i] >= floor_key;
-      }
-      const uint32_t inclusive = warp_inclusive_scan(n_take, lane);
-      uint32_t base = 0u;
-      if (lane == 31 && inclusive > 0u) base = atomicAdd(&n_own_s, inclusive);
-      uint32_t slot = __shfl_sync(kFullMask, base, 31) + inclusive - n_take;
-#pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-#pragma unroll
-        for (int i = 0; i < kRun; ++i) {
-          if (keys[s][i] != 0u && keys[s][i] >= floor_key) {
-            if (slot < uint32_t(kClusterCandidates)) {
-              own_keys[slot] = keys[s][i];
-              own_groups[slot] = (slice_first + local_run(s)) * kRun + i;
-            }
-            ++slot;
-          }
-        }
-      }
+      append_candidates<kSlots>(
+          keys, floor_key, [&](int u) { return (slice_first + local_run(u)) * kRun; }, &n_own_s,
+          own_keys, own_groups, uint32_t(kClusterCandidates));
     }
     __syncthreads();
     const uint32_t n_own = n_own_s;
@@ -1190,24 +1185,6 @@ __global__ void __launch_bounds__(kClusterThreads)
     // Everything sent to this CTA has landed; the exit waits until that holds for every CTA (a
     // CTA's shared memory must outlive the sends into it).
     cluster_arrive_relaxed();
-
-    // Streams groups [begin, end) of the row (thread t: begin + t, + 512, ...), kFilterUnroll
-    // loads in flight; calls f(key, valid, group) warp-uniformly. The overflow path only.
-    auto stream_groups = [&](int32_t begin, int32_t end, auto&& f) {
-      for (int32_t base = begin; base < end; base += kClusterThreads * kFilterUnroll) {
-        uint32_t keys[kFilterUnroll];
-#pragma unroll
-        for (int u = 0; u < kFilterUnroll; ++u) {
-          const int32_t c = base + u * kClusterThreads + tid;
-          keys[u] = c < end ? order_key(__ldg(scores + c)) : 0u;
-        }
-#pragma unroll
-        for (int u = 0; u < kFilterUnroll; ++u) {
-          const int32_t c = base + u * kClusterThreads + tid;
-          f(keys[u], c < end, c);
-        }
-      }
-    };
 
     // 3. T and the ties to take.
     uint32_t threshold;
@@ -1294,9 +1271,9 @@ __global__ void __launch_bounds__(kClusterThreads)
     } else {
       block_radix_select<kClusterThreads>(
           [&](auto&& f) {
-            stream_groups(0, visible, [&](uint32_t key, bool valid, int32_t) {
-              f(key, valid && key >= floor_key);
-            });
+            stream_keys<kClusterThreads>(
+                scores, 0, visible,
+                [&](uint32_t key, bool valid, int32_t) { f(key, valid && key >= floor_key); });
           },
           uint32_t(p.k), 0, sel, threshold, ties);
     }
@@ -1310,10 +1287,11 @@ __global__ void __launch_bounds__(kClusterThreads)
         equal += all_pairs[i].x == threshold ? 1u : 0u;
       }
     } else {
-      stream_groups(0, slice_group_begin, [&](uint32_t key, bool valid, int32_t) {
-        above += valid && key > threshold ? 1u : 0u;
-        equal += valid && key == threshold ? 1u : 0u;
-      });
+      stream_keys<kClusterThreads>(scores, 0, slice_group_begin,
+                                   [&](uint32_t key, bool valid, int32_t) {
+                                     above += valid && key > threshold ? 1u : 0u;
+                                     equal += valid && key == threshold ? 1u : 0u;
+                                   });
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -1354,14 +1332,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     if (rank != 0) return;
   }
 
-  // Causal tail, then -1 padding (the first CTA of the cluster).
-  const int32_t tail_begin = ratio * causal;
-  const int32_t group_tokens = n_groups * ratio;
-  const int32_t count = group_tokens + (pos + 1 - tail_begin);
-  for (int32_t j = group_tokens + tid; j < p.width; j += kClusterThreads) {
-    out[j] = j < count ? tail_begin + (j - group_tokens) : -1;
-  }
-  if (tid == 0) p.sel_counts[row] = count;
+  write_tail<kClusterThreads>(p, row, rg, n_groups, out);  // the first CTA of the cluster
 #endif
 }
 
