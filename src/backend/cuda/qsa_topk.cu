@@ -1403,6 +1403,25 @@ size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t bud
   return size_t(n_rows * n_chunks * k) * (sizeof(uint32_t) + sizeof(int32_t));
 }
 
+namespace {
+
+// The fields every kernel's parameters share (TopKKernelParams, FilterKernelParams).
+template <class P>
+void fill_row_params(P& p, const QsaTopKArgs& args, int64_t width) {
+  p.row_seq = args.rows.row_seq;
+  p.row_pos = args.rows.row_pos;
+  p.seq_lens = args.rows.seq_lens;
+  p.ratio = int32_t(args.ratio);
+  p.k = int32_t(args.budget / args.ratio);
+  p.width = int32_t(width);
+  p.scores = args.scores;
+  p.max_groups = args.max_groups;
+  p.sel_tokens = args.sel_tokens;
+  p.sel_counts = args.sel_counts;
+}
+
+}  // namespace
+
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
   if (args.ratio < 1 || args.budget < args.ratio) {
     return Status::error(cat("qsa_top_k_select: budget ", args.budget, " and ratio ", args.ratio,
@@ -1455,18 +1474,9 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     }
     if (method == QsaTopKMethod::kFiltered) allow_filter_shared_memory();
     FilterKernelParams fp{};
-    fp.row_seq = args.rows.row_seq;
-    fp.row_pos = args.rows.row_pos;
-    fp.seq_lens = args.rows.seq_lens;
-    fp.ratio = int32_t(args.ratio);
-    fp.k = int32_t(args.budget / args.ratio);
-    fp.width = int32_t(width);
-    fp.scores = args.scores;
-    fp.max_groups = args.max_groups;
+    fill_row_params(fp, args, width);
     fp.run_maxima = args.run_maxima;
     fp.run_stride = args.run_stride;
-    fp.sel_tokens = args.sel_tokens;
-    fp.sel_counts = args.sel_counts;
     if (method == QsaTopKMethod::kCluster) {
       cudaLaunchConfig_t config{};
       config.gridDim = dim3(unsigned(args.rows.n_rows * kClusterCtas));
@@ -1500,16 +1510,7 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
         "(qsa_top_k_workspace_bytes)");
   }
   TopKKernelParams kp{};
-  kp.row_seq = args.rows.row_seq;
-  kp.row_pos = args.rows.row_pos;
-  kp.seq_lens = args.rows.seq_lens;
-  kp.ratio = int32_t(args.ratio);
-  kp.k = int32_t(args.budget / args.ratio);
-  kp.width = int32_t(width);
-  kp.scores = args.scores;
-  kp.max_groups = args.max_groups;
-  kp.sel_tokens = args.sel_tokens;
-  kp.sel_counts = args.sel_counts;
+  fill_row_params(kp, args, width);
   const size_t ws_bytes =
       qsa_top_k_workspace_bytes(args.rows.n_rows, args.max_groups, args.budget, args.ratio);
   if (method == QsaTopKMethod::kTwoPhase && ws_bytes > 0) {
