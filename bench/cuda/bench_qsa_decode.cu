@@ -28,6 +28,9 @@
 // copies - 1, 0, .. (whole rounds, at least 20 steps, so back-to-back replays keep the rotation),
 // then times replays with CUDA events (median of 7 replays / steps). The per-kernel figures (scores
 // with maxima, top-k, attention) run each kernel alone on the same rotation and in both modes.
+// Kernels go out as programmatic dependents where the device has them (sm_90+, launch.cuh); the
+// cold step and dense decode are timed again with plain launches (set_programmatic_launch(false))
+// in the same process, for the side-by-side ratio.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -133,15 +136,19 @@ struct QsaResult {
   std::string kv;
   int64_t splits = 0;
   Timing attention;  // alone, over each copy's selection
-  Timing step;       // scores + top-k + attention, cold (copies rotating)
-  Timing step_warm;  // the same on one copy
+  Timing step;        // scores + top-k + attention, cold (copies rotating)
+  Timing step_warm;   // the same on one copy
+  Timing step_plain;  // step, cold, with plain launches (no programmatic dependent launch)
 };
 
 }  // namespace
 
-// Usage: e4kv_bench_qsa_decode [OUT.json]
+// Usage: e4kv_bench_qsa_decode [OUT.json | --profile]
+// --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
+// native where usable), for a profiler (ncu --launch-skip 3 * copies skips the warm-up steps).
 int main(int argc, char** argv) {
-  const char* json_path = argc > 1 ? argv[1] : "qsa_decode.json";
+  const bool profile = argc > 1 && std::string(argv[1]) == "--profile";
+  const char* json_path = argc > 1 && !profile ? argv[1] : "qsa_decode.json";
   if (device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -265,7 +272,8 @@ int main(int argc, char** argv) {
   bool sane = true;
   const DecodeAttentionPlan dense_plan = plan_for(geo_f16, best, kPos + 1);
   Timing dense_time;
-  {
+  Timing dense_plain;  // with plain launches
+  if (!profile) {
     const DecodeAttentionWorkspace ws = make_workspace(dense_plan.n_splits);
     auto dense_step = [&](cudaStream_t stream, int) {
       check(paged_decode_attention(dense, dense_plan, ws, best, stream));
@@ -276,6 +284,9 @@ int main(int argc, char** argv) {
       sane = false;
     }
     dense_time = time_step(dense_step, 1);
+    set_programmatic_launch(false);
+    dense_plain = time_step(dense_step, 1);
+    set_programmatic_launch(true);
     E4KV_CUDA_CHECK(cudaFree(ws.m));
   }
 
@@ -305,12 +316,18 @@ int main(int argc, char** argv) {
                           sel.begin() + (kBatch + 1) * kWidth, std::back_inserter(shared));
   }
 
-  Timing scores_time = time_step(scores_step, copies);
-  Timing top_k_time = time_step(top_k_step, copies);
-
   std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds{
       {KvCacheDtype::kF16, {false, best.load}}, {KvCacheDtype::kE4m3, {false, best.load}}};
   if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}});
+  Timing scores_time;
+  Timing top_k_time;
+  if (!profile) {
+    scores_time = time_step(scores_step, copies);
+    top_k_time = time_step(top_k_step, copies);
+  } else {
+    kinds.erase(kinds.begin(), kinds.end() - 1);
+  }
+
   std::vector<QsaResult> results;
   for (const auto& [dtype, config] : kinds) {
     const bool e4m3 = dtype == KvCacheDtype::kE4m3;
@@ -337,6 +354,11 @@ int main(int argc, char** argv) {
     r.kv = kv_name(dtype, config);
     r.splits = plan.n_splits;
     for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
+    if (profile) {
+      for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
+      E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+      return output_finite(d_out) ? 0 : 1;
+    }
     if (!output_finite(d_out)) {
       std::fprintf(stderr, "qsa %s: the attention output holds NaN or inf\n", r.kv.c_str());
       sane = false;
@@ -344,6 +366,9 @@ int main(int argc, char** argv) {
     r.attention = time_step(attention_step, copies);
     r.step = time_step(qsa_step, copies);
     r.step_warm = time_step(qsa_step, 1);
+    set_programmatic_launch(false);
+    r.step_plain = time_step(qsa_step, copies);
+    set_programmatic_launch(true);
     results.push_back(r);
     E4KV_CUDA_CHECK(cudaFree(ws.m));
   }
@@ -359,19 +384,24 @@ int main(int argc, char** argv) {
       "copy 0 and copy 1: %zu of %lld\n",
       copies, compressed_elems * 2 / 1e6, copies * compressed_elems * 2 / 1e6, shared.size(),
       (long long)kWidth);
-  std::printf("dense fp16 (%lld splits): stream %.1f us, graph %.1f us\n",
-              (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3);
-  std::printf("%-12s %-6s %7s %10s %7s %9s %7s %9s %9s %8s %10s %10s\n", "qsa kv", "mode", "splits",
-              "scores+max", "top-k", "attention", "sum", "step_cold", "step_warm", "dense",
-              "dense/cold", "dense/warm");
+  const bool pdl = programmatic_launch_enabled();
+  std::printf("programmatic dependent launch: %s\n", pdl ? "on" : "off (plain launches)");
+  std::printf("dense fp16 (%lld splits): stream %.1f us, graph %.1f us; plain launches: stream "
+              "%.1f us, graph %.1f us\n",
+              (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3,
+              dense_plain.ms * 1e3, dense_plain.graph_ms * 1e3);
+  std::printf("%-12s %-6s %7s %10s %7s %9s %7s %9s %9s %8s %10s %10s %11s\n", "qsa kv", "mode",
+              "splits", "scores+max", "top-k", "attention", "sum", "step_cold", "step_warm",
+              "dense", "dense/cold", "dense/warm", "cold_plain");
   for (const QsaResult& r : results) {
     for (const bool graph : {false, true}) {
       auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
       const double sum = us(scores_time) + us(top_k_time) + us(r.attention);
-      std::printf("%-12s %-6s %7lld %10.1f %7.1f %9.1f %7.1f %9.1f %9.1f %8.1f %9.2fx %9.2fx\n",
-                  r.kv.c_str(), graph ? "graph" : "stream", (long long)r.splits, us(scores_time),
-                  us(top_k_time), us(r.attention), sum, us(r.step), us(r.step_warm), us(dense_time),
-                  us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
+      std::printf(
+          "%-12s %-6s %7lld %10.1f %7.1f %9.1f %7.1f %9.1f %9.1f %8.1f %9.2fx %9.2fx %11.1f\n",
+          r.kv.c_str(), graph ? "graph" : "stream", (long long)r.splits, us(scores_time),
+          us(top_k_time), us(r.attention), sum, us(r.step), us(r.step_warm), us(dense_time),
+          us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm), us(r.step_plain));
     }
   }
   if (!sane) {
@@ -393,8 +423,12 @@ int main(int argc, char** argv) {
                " \"cold_copies\": %d, \"indexer_copy_bytes\": %zu, \"graph_min_steps\": %d, "
                "\"shared_selected_tokens_copy0_copy1_row0\": %zu,\n",
                copies, compressed_elems * 2, kGraphMinSteps, shared.size());
-  std::fprintf(f, " \"dense_fp16\": {\"splits\": %lld, \"stream_us\": %.2f, \"graph_us\": %.2f},\n",
-               (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3);
+  std::fprintf(f, " \"programmatic_dependent_launch\": %s,\n", pdl ? "true" : "false");
+  std::fprintf(f,
+               " \"dense_fp16\": {\"splits\": %lld, \"stream_us\": %.2f, \"graph_us\": %.2f, "
+               "\"plain_stream_us\": %.2f, \"plain_graph_us\": %.2f},\n",
+               (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3,
+               dense_plain.ms * 1e3, dense_plain.graph_ms * 1e3);
   std::fprintf(f, " \"qsa\": [\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const QsaResult& r = results[i];
@@ -404,11 +438,11 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    ", \"%s\": {\"scores_maxima_us\": %.2f, \"top_k_us\": %.2f, "
                    "\"attention_us\": %.2f, \"sum_us\": %.2f, \"step_cold_us\": %.2f, "
-                   "\"step_warm_us\": %.2f, \"dense_us\": %.2f, \"dense_over_step_cold\": %.3f, "
-                   "\"dense_over_step_warm\": %.3f}",
+                   "\"step_warm_us\": %.2f, \"step_cold_plain_us\": %.2f, \"dense_us\": %.2f, "
+                   "\"dense_over_step_cold\": %.3f, \"dense_over_step_warm\": %.3f}",
                    graph ? "graph" : "stream", us(scores_time), us(top_k_time), us(r.attention),
                    us(scores_time) + us(top_k_time) + us(r.attention), us(r.step), us(r.step_warm),
-                   us(dense_time), us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
+                   us(r.step_plain), us(dense_time), us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
     }
     std::fprintf(f, "}%s\n", i + 1 < results.size() ? "," : "");
   }

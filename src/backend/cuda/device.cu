@@ -1,5 +1,6 @@
 #include "backend/cuda/device.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -33,6 +34,43 @@ bool e4m3_native_available(int device) {
   if (force != nullptr && std::strcmp(force, "0") != 0 && force[0] != '\0') return false;
   return compute_capability(device) >= 89;
 #endif
+}
+
+namespace {
+
+std::atomic<bool> g_programmatic_launch{true};
+
+bool env_disables_programmatic_launch() {
+  static const bool disabled = [] {
+    const char* value = std::getenv("E4KV_DISABLE_PDL");
+    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+  }();
+  return disabled;
+}
+
+}  // namespace
+
+bool programmatic_launch_enabled() {
+  if (!g_programmatic_launch.load(std::memory_order_relaxed) ||
+      env_disables_programmatic_launch()) {
+    return false;
+  }
+  // Compute capability per device, memoised (0 = not yet asked).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> capability[kMaxDevices]{};
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) return compute_capability(device) >= 90;
+  int cc = capability[device].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    cc = compute_capability(device);
+    capability[device].store(cc, std::memory_order_relaxed);
+  }
+  return cc >= 90;
+}
+
+void set_programmatic_launch(bool enabled) {
+  g_programmatic_launch.store(enabled, std::memory_order_relaxed);
 }
 
 }  // namespace e4kv::cuda

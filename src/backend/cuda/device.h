@@ -13,4 +13,13 @@ int compute_capability(int device);
 // E4KV_FORCE_SOFTWARE_E4M3, and the environment variable E4KV_FORCE_SOFTWARE_E4M3 is unset or "0".
 bool e4m3_native_available(int device);
 
+// True when kernels launched through launch_kernel (launch.cuh) on the current device go out as
+// programmatic dependents: an sm_90+ device, set_programmatic_launch has not turned it off, and
+// the environment variable E4KV_DISABLE_PDL is unset or "0" (read once).
+bool programmatic_launch_enabled();
+
+// Process-wide switch for programmatic dependent launch (default on), for side-by-side
+// measurements. Not meant to be flipped while other threads launch.
+void set_programmatic_launch(bool enabled);
+
 }  // namespace e4kv::cuda

@@ -39,6 +39,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/e4m3_vec.cuh"
+#include "backend/cuda/launch.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -231,6 +232,7 @@ struct DecodeShape {
 template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
+  enter_dependent_grid();
   using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync>;
   constexpr int kEB = Elem::kBytes;
   constexpr int kKElems = Shape::kKElems;
@@ -729,6 +731,7 @@ constexpr int kMergeWarps = 8;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     decode_attention_merge_kernel(const __grid_constant__ MergeKernelParams p, int head_dim) {
+  enter_dependent_grid();
   __shared__ float warp_max[kMergeWarps];
   __shared__ float warp_l[kMergeWarps];
   __shared__ float warp_acc[kMergeWarps][32];
@@ -986,8 +989,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   allow_shared_memory(inst);
   const dim3 grid(unsigned(n_rows * geo.n_kv_heads),
                   unsigned((plan.n_splits + kWarpsPerCta - 1) / kWarpsPerCta));
-  inst.kernel<<<grid, dim3(kWarpsPerCta * 32), inst.smem_bytes, stream>>>(kp);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(inst.kernel, LaunchDims{grid, dim3(kWarpsPerCta * 32), size_t(inst.smem_bytes)}, stream,
+                kp);
 
   MergeKernelParams mp{};
   mp.n_heads = int32_t(params.n_heads);
@@ -999,10 +1002,11 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   mp.gate = params.gate;
   mp.out_scale = params.cache.v_scale * factor;
   mp.out = params.out;
-  decode_attention_merge_kernel<<<dim3(unsigned(n_rows), unsigned(params.n_heads),
-                                       unsigned(geo.head_dim / 32)),
-                                  dim3(kMergeWarps * 32), 0, stream>>>(mp, int(geo.head_dim));
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(decode_attention_merge_kernel,
+                LaunchDims{dim3(unsigned(n_rows), unsigned(params.n_heads),
+                                unsigned(geo.head_dim / 32)),
+                           dim3(kMergeWarps * 32)},
+                stream, mp, int(geo.head_dim));
   return Status();
 }
 

@@ -60,6 +60,7 @@
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 
 namespace e4kv::cuda {
@@ -320,6 +321,7 @@ template <int kHeads>
 // resident warps do not hide what the extra instructions cost.
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
     qsa_index_scores_kernel(const __grid_constant__ ScoresKernelParams p) {
+  enter_dependent_grid();
   extern __shared__ __align__(16) unsigned char scores_smem[];
   const int lane = int(threadIdx.x) & 31;
   const int warp_in_cta = int(threadIdx.x) >> 5;
@@ -628,10 +630,9 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   const int64_t n_ctas = (kp.n_warps + shape.warps_per_cta - 1) / shape.warps_per_cta;
   const size_t smem =
       size_t(shape.warps_per_cta) * warp_smem_bytes(args.n_index_heads, cv.index_dim);
-  scores_kernel(
-      args.n_index_heads)<<<unsigned(n_ctas), unsigned(shape.warps_per_cta * 32), smem, stream>>>(
-      kp);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(scores_kernel(args.n_index_heads),
+                LaunchDims{dim3(unsigned(n_ctas)), dim3(unsigned(shape.warps_per_cta * 32)), smem},
+                stream, kp);
   return ok_status();
 }
 

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -192,6 +193,7 @@ __device__ __forceinline__ void find_digit(const uint32_t* hist, uint32_t prefix
 
 __global__ void __launch_bounds__(kThreads)
     qsa_top_k_select_kernel(const __grid_constant__ TopKKernelParams p) {
+  enter_dependent_grid();
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t warp_totals[kWarps];
   __shared__ uint32_t chunk_total;
@@ -307,6 +309,7 @@ __global__ void __launch_bounds__(kThreads)
 // (the row kernel takes every group without candidates).
 __global__ void __launch_bounds__(kChunkThreads)
     qsa_top_k_chunk_kernel(const __grid_constant__ ChunkKernelParams p) {
+  enter_dependent_grid();
   constexpr int kChunkWarps = kChunkThreads / 32;
   constexpr int kPerThread = kChunk / kChunkThreads;
   static_assert(kChunkThreads == kBins);
@@ -716,6 +719,7 @@ __device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
 template <int kRunsPerThread>
 __global__ void __launch_bounds__(kFilterThreads)
     qsa_top_k_filtered_kernel(const __grid_constant__ FilterKernelParams p) {
+  enter_dependent_grid();
   static_assert(kFilterThreads * kRunsPerThread * kRun <= kFilterMaxWords * 32);
   static_assert(kFilterThreads >= kBins);
   extern __shared__ __align__(16) uint32_t filter_smem[];
@@ -1002,6 +1006,7 @@ template <int kSlots>
 __global__ void __launch_bounds__(kClusterThreads)
     qsa_top_k_cluster_kernel(const __grid_constant__ FilterKernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  enter_dependent_grid();
   constexpr int kBoundSlots = 4 * kSlots;  // a bound warp's runs per lane: 4 rpw / 32
   extern __shared__ __align__(16) uint32_t cluster_smem[];
   uint32_t* own_keys = cluster_smem;
@@ -1478,30 +1483,23 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     fp.run_maxima = args.run_maxima;
     fp.run_stride = args.run_stride;
     if (method == QsaTopKMethod::kCluster) {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(unsigned(args.rows.n_rows * kClusterCtas));
-      config.blockDim = dim3(kClusterThreads);
-      config.dynamicSmemBytes = kClusterSmemBytes;
-      config.stream = stream;
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = kClusterCtas;
-      attribute.val.clusterDim.y = 1;
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
       const auto kernel =
           args.max_groups <= int64_t(kClusterWarpsTotal) * 32 * kClusterShortSlots * kRun
               ? qsa_top_k_cluster_kernel<kClusterShortSlots>
               : qsa_top_k_cluster_kernel<kClusterLongSlots>;
-      E4KV_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, fp));
+      launch_kernel(kernel,
+                    LaunchDims{dim3(unsigned(args.rows.n_rows * kClusterCtas)),
+                               dim3(kClusterThreads), kClusterSmemBytes, unsigned(kClusterCtas)},
+                    stream, fp);
       return ok_status();
     }
     const auto kernel = args.max_groups <= int64_t(kFilterThreads) * kFilterShortRuns * kRun
                             ? qsa_top_k_filtered_kernel<kFilterShortRuns>
                             : qsa_top_k_filtered_kernel<kFilterLongRuns>;
-    kernel<<<unsigned(args.rows.n_rows), kFilterThreads, kFilterSmemBytes, stream>>>(fp);
-    E4KV_CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel,
+                  LaunchDims{dim3(unsigned(args.rows.n_rows)), dim3(kFilterThreads),
+                             kFilterSmemBytes},
+                  stream, fp);
     return ok_status();
   }
   if (method == QsaTopKMethod::kTwoPhase && args.workspace == nullptr) {
@@ -1526,15 +1524,16 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     const int64_t n_cand = int64_t(cp.n_chunks) * cp.k;
     cp.cand_keys = static_cast<uint32_t*>(args.workspace);
     cp.cand_groups = reinterpret_cast<int32_t*>(cp.cand_keys + args.rows.n_rows * n_cand);
-    qsa_top_k_chunk_kernel<<<dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)), kChunkThreads,
-                             0, stream>>>(cp);
-    E4KV_CUDA_CHECK_LAUNCH();
+    launch_kernel(qsa_top_k_chunk_kernel,
+                  LaunchDims{dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)),
+                             dim3(kChunkThreads)},
+                  stream, cp);
     kp.cand_keys = cp.cand_keys;
     kp.cand_groups = cp.cand_groups;
     kp.n_cand = int32_t(n_cand);
   }
-  qsa_top_k_select_kernel<<<unsigned(args.rows.n_rows), kThreads, 0, stream>>>(kp);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(qsa_top_k_select_kernel,
+                LaunchDims{dim3(unsigned(args.rows.n_rows)), dim3(kThreads)}, stream, kp);
   return ok_status();
 }
 
