@@ -42,6 +42,14 @@
 // a warp (row metadata -> block table -> first stage, dependent loads) is exposed once; ncu shows
 // about 61-66% issue efficiency while SMs are busy and about 20% of the kernel in the ragged tail
 // (SMs whose first stages arrived early finish early; the assignment is static).
+//   Tried and dropped (H200, 2026-12-01, 4 x 32K groups, against this kernel's 15.0 us cold and
+// 10.4 us from L2): a CTA-wide ring, one CTA per SM, in which producer warps fill 64-group slots
+// (rows padded against bank conflicts) for consumer warps, synchronised by mbarriers. One
+// cp.async.bulk per 256-byte row: 45 us (some 1000 small bulk copies per SM). One producer warp
+// with cp.async: 36 us, DRAM 19% busy (a warp kept about one tile of copies in flight). Eight
+// producer warps, 2 to 6 consumers with 2 to 4 slots each (as many 17 KB slots as fit): 18.2 to
+// 23.3 us cold, and about 18 us from L2 too: the math (at least 1440 instructions per lane per
+// tile) needs more warps than a shared-memory ring of whole tiles leaves room for.
 //
 // Limits: n_index_heads 1..8, index_dim a multiple of 8 and <= 256, any block_size that is a
 // multiple of ratio, fewer than 2^31 compressed rows. Shared memory per warp: kStages x 4 KB + the
