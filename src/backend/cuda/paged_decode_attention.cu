@@ -147,7 +147,11 @@ __device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1)
 // that the merge reads back one after another, and more CTAs share the SMs. Fitted on the H200
 // (2026-12-01, graph replay, FP16): QSA 4 x 2048 keys took 11.9 / 9.5 / 10.5 us at 8 / 16 / 32
 // CTAs per row and KV head, one 20K sequence 23.9 / 17.9 / 17.7 / 23.3 us at 25 / 47 / 64 / 128;
-// without this term the planner chose 32 and 128.
+// without this term the planner chose 32 and 128. Re-checked for QSA (H200, 2026-12-01, E4M3
+// native, attention alone from a graph): 36 / 68 (the planner's) / 132 splits took 11.3 / 10.4 /
+// 11.5 us; at 132 (16 keys a warp, 2 CTAs per SM) the decode kernel alone took 8.4 against 7.8 us
+// and ncu showed 9.3 instead of 6.0 cycles per issued instruction: a warp's fixed work (Q, the
+// key window, the CTA combine, the partial stores) outweighs its keys at this length.
 #ifndef E4KV_DECODE_CTA_COST_KEYS
 #define E4KV_DECODE_CTA_COST_KEYS 1.25
 #endif
@@ -727,6 +731,20 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
 // One CTA per (row, head, 32-dim chunk) with kMergeWarps warps: warp w merges the splits
 // s = w (mod kMergeWarps), one lane per dim, then the warps combine through shared memory. A row
 // cut into hundreds of splits (one long sequence) is merged by many CTAs with many loads in flight.
+// note: tried and dropped for the QSA step (4 x 2051 selected keys, d 256, H200, 2026-12-01,
+// attention alone from a CUDA graph, E4M3 native unless said; one call each, A/B in the call):
+//   - this kernel's share: leaving it out (timing only) took the attention from 10.4 to 7.8 us;
+//   - the merge in the decode kernel instead, by the last CTA of each row and KV head to finish
+//     (threadfence reduction on per-(row, KV head) atomicInc counters in the workspace, a separate
+//     kMerge instance): 16.8 us against 9.7 us (FP16 17.6 vs 11.0, software 17.1 vs 10.0). ncu:
+//     the decode kernel ran 45K cycles against 12-17K of SM activity: the 8 merging CTAs each read
+//     17 partials x 8 KB from L2 at about 5.5 B/cycle, nowhere near enough loads in flight. Even
+//     at L2 speed one SM per row and KV head would read 139 KB after the fence and the atomic.
+//   - this kernel launched early (griddepcontrol.launch_dependents at the decode kernel's entry):
+//     10.6 vs 10.4 us; one CTA per (row, head) and one pass over the splits: 10.6 vs 10.4 us.
+//   - the same merge code in the decode kernel behind a runtime flag (not a separate instance)
+//     moved ptxas' allocation of the main loop (FP16 d 256: 236 -> 203 registers) and slowed dense
+//     FP16 decode at 4 x 128K from 248 to 285 us: keep any such tail in its own instance.
 constexpr int kMergeWarps = 8;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
