@@ -135,7 +135,7 @@ bool output_finite(const float* d_out) {
 struct QsaResult {
   std::string kv;
   int64_t splits = 0;
-  Timing attention;  // alone, over each copy's selection
+  Timing attention;   // alone, over each copy's selection
   Timing step;        // scores + top-k + attention, cold (copies rotating)
   Timing step_warm;   // the same on one copy
   Timing step_plain;  // step, cold, with plain launches (no programmatic dependent launch)
@@ -145,7 +145,8 @@ struct QsaResult {
 
 // Usage: e4kv_bench_qsa_decode [OUT.json | --profile]
 // --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
-// native where usable), for a profiler (ncu --launch-skip 3 * copies skips the warm-up steps).
+// native where usable), for a profiler (with ncu filtering the step's four kernels,
+// --launch-skip 6 * copies skips the warm-up).
 int main(int argc, char** argv) {
   const bool profile = argc > 1 && std::string(argv[1]) == "--profile";
   const char* json_path = argc > 1 && !profile ? argv[1] : "qsa_decode.json";
@@ -386,10 +387,11 @@ int main(int argc, char** argv) {
       (long long)kWidth);
   const bool pdl = programmatic_launch_enabled();
   std::printf("programmatic dependent launch: %s\n", pdl ? "on" : "off (plain launches)");
-  std::printf("dense fp16 (%lld splits): stream %.1f us, graph %.1f us; plain launches: stream "
-              "%.1f us, graph %.1f us\n",
-              (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3,
-              dense_plain.ms * 1e3, dense_plain.graph_ms * 1e3);
+  std::printf(
+      "dense fp16 (%lld splits): stream %.1f us, graph %.1f us; plain launches: stream "
+      "%.1f us, graph %.1f us\n",
+      (long long)dense_plan.n_splits, dense_time.ms * 1e3, dense_time.graph_ms * 1e3,
+      dense_plain.ms * 1e3, dense_plain.graph_ms * 1e3);
   std::printf("%-12s %-6s %7s %10s %7s %9s %7s %9s %9s %8s %10s %10s %11s\n", "qsa kv", "mode",
               "splits", "scores+max", "top-k", "attention", "sum", "step_cold", "step_warm",
               "dense", "dense/cold", "dense/warm", "cold_plain");
@@ -442,7 +444,8 @@ int main(int argc, char** argv) {
                    "\"dense_over_step_cold\": %.3f, \"dense_over_step_warm\": %.3f}",
                    graph ? "graph" : "stream", us(scores_time), us(top_k_time), us(r.attention),
                    us(scores_time) + us(top_k_time) + us(r.attention), us(r.step), us(r.step_warm),
-                   us(r.step_plain), us(dense_time), us(dense_time) / us(r.step), us(dense_time) / us(r.step_warm));
+                   us(r.step_plain), us(dense_time), us(dense_time) / us(r.step),
+                   us(dense_time) / us(r.step_warm));
     }
     std::fprintf(f, "}%s\n", i + 1 < results.size() ? "," : "");
   }

@@ -7,6 +7,15 @@
 #include "backend/cuda/cuda_check.h"
 
 namespace e4kv::cuda {
+namespace {
+
+// True when the environment variable `name` is set to something other than "" or "0".
+bool env_flag_set(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+}  // namespace
 
 int device_count() {
   int count = 0;
@@ -30,8 +39,7 @@ bool e4m3_native_available(int device) {
   (void)device;
   return false;
 #else
-  const char* force = std::getenv("E4KV_FORCE_SOFTWARE_E4M3");
-  if (force != nullptr && std::strcmp(force, "0") != 0 && force[0] != '\0') return false;
+  if (env_flag_set("E4KV_FORCE_SOFTWARE_E4M3")) return false;
   return compute_capability(device) >= 89;
 #endif
 }
@@ -41,10 +49,7 @@ namespace {
 std::atomic<bool> g_programmatic_launch{true};
 
 bool env_disables_programmatic_launch() {
-  static const bool disabled = [] {
-    const char* value = std::getenv("E4KV_DISABLE_PDL");
-    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
-  }();
+  static const bool disabled = env_flag_set("E4KV_DISABLE_PDL");
   return disabled;
 }
 

@@ -1007,8 +1007,8 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   allow_shared_memory(inst);
   const dim3 grid(unsigned(n_rows * geo.n_kv_heads),
                   unsigned((plan.n_splits + kWarpsPerCta - 1) / kWarpsPerCta));
-  launch_kernel(inst.kernel, LaunchDims{grid, dim3(kWarpsPerCta * 32), size_t(inst.smem_bytes)}, stream,
-                kp);
+  launch_kernel(inst.kernel, LaunchDims{grid, dim3(kWarpsPerCta * 32), size_t(inst.smem_bytes)},
+                stream, kp);
 
   MergeKernelParams mp{};
   mp.n_heads = int32_t(params.n_heads);
@@ -1020,11 +1020,11 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   mp.gate = params.gate;
   mp.out_scale = params.cache.v_scale * factor;
   mp.out = params.out;
-  launch_kernel(decode_attention_merge_kernel,
-                LaunchDims{dim3(unsigned(n_rows), unsigned(params.n_heads),
-                                unsigned(geo.head_dim / 32)),
-                           dim3(kMergeWarps * 32)},
-                stream, mp, int(geo.head_dim));
+  launch_kernel(
+      decode_attention_merge_kernel,
+      LaunchDims{dim3(unsigned(n_rows), unsigned(params.n_heads), unsigned(geo.head_dim / 32)),
+                 dim3(kMergeWarps * 32)},
+      stream, mp, int(geo.head_dim));
   return Status();
 }
 

@@ -1496,10 +1496,10 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     const auto kernel = args.max_groups <= int64_t(kFilterThreads) * kFilterShortRuns * kRun
                             ? qsa_top_k_filtered_kernel<kFilterShortRuns>
                             : qsa_top_k_filtered_kernel<kFilterLongRuns>;
-    launch_kernel(kernel,
-                  LaunchDims{dim3(unsigned(args.rows.n_rows)), dim3(kFilterThreads),
-                             kFilterSmemBytes},
-                  stream, fp);
+    launch_kernel(
+        kernel,
+        LaunchDims{dim3(unsigned(args.rows.n_rows)), dim3(kFilterThreads), kFilterSmemBytes},
+        stream, fp);
     return ok_status();
   }
   if (method == QsaTopKMethod::kTwoPhase && args.workspace == nullptr) {
@@ -1524,10 +1524,10 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     const int64_t n_cand = int64_t(cp.n_chunks) * cp.k;
     cp.cand_keys = static_cast<uint32_t*>(args.workspace);
     cp.cand_groups = reinterpret_cast<int32_t*>(cp.cand_keys + args.rows.n_rows * n_cand);
-    launch_kernel(qsa_top_k_chunk_kernel,
-                  LaunchDims{dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)),
-                             dim3(kChunkThreads)},
-                  stream, cp);
+    launch_kernel(
+        qsa_top_k_chunk_kernel,
+        LaunchDims{dim3(unsigned(args.rows.n_rows), unsigned(cp.n_chunks)), dim3(kChunkThreads)},
+        stream, cp);
     kp.cand_keys = cp.cand_keys;
     kp.cand_groups = cp.cand_groups;
     kp.n_cand = int32_t(n_cand);
