@@ -87,6 +87,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/launch.cuh"
 #include "core/check.h"
 #include "core/half.h"
 #include "e4kv/e4m3.h"
@@ -594,6 +595,7 @@ template <CacheStore kStore, bool kStats, int kUnroll, int kTokens, class Slot>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kStore != CacheStore::kF16, kStats,
                                                             kUnroll* kTokens))
     cache_write_kernel(const __grid_constant__ CacheWriteKernelParams p) {
+  enter_dependent_grid();
   const int kv = int(blockIdx.y);
   const int lane = int(threadIdx.x) % 32;
 
@@ -625,15 +627,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(kStore != CacheStore
 }
 
 template <CacheStore kStore, bool kStats, int kUnroll, int kTokens>
-void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
+void launch_write(const CacheWriteKernelParams& kp, bool slots64, dim3 grid, cudaStream_t stream) {
   if (slots64) {
-    cache_write_kernel<kStore, kStats, kUnroll, kTokens, int64_t>
-        <<<grid, kThreads, 0, stream>>>(kp);
+    launch_kernel(cache_write_kernel<kStore, kStats, kUnroll, kTokens, int64_t>,
+                  LaunchDims{grid, dim3(kThreads)}, stream, kp);
   } else {
-    cache_write_kernel<kStore, kStats, kUnroll, kTokens, int32_t>
-        <<<grid, kThreads, 0, stream>>>(kp);
+    launch_kernel(cache_write_kernel<kStore, kStats, kUnroll, kTokens, int32_t>,
+                  LaunchDims{grid, dim3(kThreads)}, stream, kp);
   }
-  E4KV_CUDA_CHECK_LAUNCH();
 }
 
 // tokens: 1 or tokens_per_step(e4m3, kStats, kUnroll).
@@ -642,10 +643,10 @@ void launch_unrolled(const CacheWriteKernelParams& kp, bool slots64, int tokens,
                      cudaStream_t stream) {
   constexpr int kMulti = tokens_per_step(kStore != CacheStore::kF16, kStats, kUnroll);
   if (tokens == 1) {
-    launch_kernel<kStore, kStats, kUnroll, 1>(kp, slots64, grid, stream);
+    launch_write<kStore, kStats, kUnroll, 1>(kp, slots64, grid, stream);
   } else if constexpr (kMulti > 1) {
     E4KV_ASSERT(tokens == kMulti, cat("cache write: ", tokens, " tokens per step"));
-    launch_kernel<kStore, kStats, kUnroll, kMulti>(kp, slots64, grid, stream);
+    launch_write<kStore, kStats, kUnroll, kMulti>(kp, slots64, grid, stream);
   } else {
     E4KV_ASSERT(false, cat("cache write: ", tokens, " tokens per step"));
   }
@@ -653,8 +654,8 @@ void launch_unrolled(const CacheWriteKernelParams& kp, bool slots64, int tokens,
 
 // unroll = lane_unroll(kStats, kp.row_chunks).
 template <CacheStore kStore, bool kStats>
-void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, int unroll, int tokens,
-                   dim3 grid, cudaStream_t stream) {
+void launch_write(const CacheWriteKernelParams& kp, bool slots64, int unroll, int tokens, dim3 grid,
+                  cudaStream_t stream) {
   if (unroll == 1) {
     launch_unrolled<kStore, kStats, 1>(kp, slots64, tokens, grid, stream);
   } else if (unroll == 2) {
@@ -667,12 +668,12 @@ void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, int unroll, i
 }
 
 template <CacheStore kStore>
-void launch_kernel(const CacheWriteKernelParams& kp, bool slots64, bool stats, int unroll,
-                   int tokens, dim3 grid, cudaStream_t stream) {
+void launch_write(const CacheWriteKernelParams& kp, bool slots64, bool stats, int unroll,
+                  int tokens, dim3 grid, cudaStream_t stream) {
   if (stats) {
-    launch_kernel<kStore, true>(kp, slots64, unroll, tokens, grid, stream);
+    launch_write<kStore, true>(kp, slots64, unroll, tokens, grid, stream);
   } else {
-    launch_kernel<kStore, false>(kp, slots64, unroll, tokens, grid, stream);
+    launch_write<kStore, false>(kp, slots64, unroll, tokens, grid, stream);
   }
 }
 
@@ -756,11 +757,11 @@ Status launch(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
   const dim3 grid(unsigned(ctas), 2);
   const bool with_stats = stats != nullptr;
   if (!e4m3) {
-    launch_kernel<CacheStore::kF16>(kp, slots64, with_stats, unroll, tokens, grid, stream);
+    launch_write<CacheStore::kF16>(kp, slots64, with_stats, unroll, tokens, grid, stream);
   } else if (encode == CacheWriteEncode::kAuto && cache_write_hardware_encode_usable(device)) {
-    launch_kernel<CacheStore::kE4m3Hardware>(kp, slots64, with_stats, unroll, tokens, grid, stream);
+    launch_write<CacheStore::kE4m3Hardware>(kp, slots64, with_stats, unroll, tokens, grid, stream);
   } else {
-    launch_kernel<CacheStore::kE4m3Software>(kp, slots64, with_stats, unroll, tokens, grid, stream);
+    launch_write<CacheStore::kE4m3Software>(kp, slots64, with_stats, unroll, tokens, grid, stream);
   }
   return ok_status();
 }

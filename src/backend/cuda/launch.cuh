@@ -8,6 +8,10 @@
 // its memory is visible, so the kernel's reads and writes are ordered after the previous kernel's
 // exactly as with a plain launch. Below sm_90 the instruction is left out and launches are plain.
 //
+// Every kernel of the CUDA backend launches through here (the model's small ops, cache write,
+// indexer write, index scores, top-k, prefill and decode attention and its merge), so a model step
+// overlaps each launch with the kernel before it; cuBLAS GEMMs launch plainly in between.
+//
 // No kernel here signals its dependents early (griddepcontrol.launch_dependents): they launch when
 // it completes. Measured on the H200 (2026-12-01, QSA decode step at 128K, bench_qsa_decode,
 // E4M3 native): signalling at each kernel's start made the CUDA-graph step slower, 37.4 us against

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -27,6 +28,7 @@ unsigned grid_for(int64_t n) {
 
 __global__ void gather_rows_kernel(const uint16_t* table, const int32_t* index, int64_t n,
                                    int64_t dim, uint16_t* out) {
+  enter_dependent_grid();
   const int64_t total = n * dim;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -38,6 +40,7 @@ __global__ void gather_rows_kernel(const uint16_t* table, const int32_t* index, 
 // One warp per row: sum of squares in fp32, then x * r * g.
 __global__ void rms_norm_kernel(const uint16_t* x, const uint16_t* weight, int64_t n_rows,
                                 int64_t dim, float eps, bool one_plus, uint16_t* out) {
+  enter_dependent_grid();
   const int64_t row = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n_rows) return;
@@ -58,6 +61,7 @@ __global__ void rms_norm_kernel(const uint16_t* x, const uint16_t* weight, int64
 
 __global__ void rope_neox_kernel(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
                                  int64_t n_heads, int64_t head_dim, int64_t rotary_dim) {
+  enter_dependent_grid();
   const int64_t half = rotary_dim / 2;
   const int64_t total = n_rows * n_heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
@@ -77,6 +81,7 @@ __global__ void rope_neox_kernel(uint16_t* x, const float* cos, const float* sin
 
 __global__ void silu_mul_kernel(const uint16_t* gate, const uint16_t* up, uint16_t* out,
                                 int64_t n) {
+  enter_dependent_grid();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float g = h2f(gate[i]);
@@ -85,6 +90,7 @@ __global__ void silu_mul_kernel(const uint16_t* gate, const uint16_t* up, uint16
 }
 
 __global__ void add_kernel(uint16_t* x, const uint16_t* y, int64_t n) {
+  enter_dependent_grid();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     x[i] = f2h(h2f(x[i]) + h2f(y[i]));
@@ -92,6 +98,7 @@ __global__ void add_kernel(uint16_t* x, const uint16_t* y, int64_t n) {
 }
 
 __global__ void f32_to_f16_kernel(const float* src, uint16_t* dst, int64_t n) {
+  enter_dependent_grid();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     dst[i] = f2h(src[i]);
@@ -100,6 +107,7 @@ __global__ void f32_to_f16_kernel(const float* src, uint16_t* dst, int64_t n) {
 
 __global__ void broadcast_bias_kernel(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y,
                                       bool y_f32) {
+  enter_dependent_grid();
   const int64_t total = n_rows * cols;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -117,8 +125,8 @@ __global__ void broadcast_bias_kernel(const uint16_t* bias, int64_t n_rows, int6
 void gather_rows_f16(const uint16_t* table, const int32_t* index, int64_t n, int64_t dim,
                      uint16_t* out, cudaStream_t stream) {
   if (n * dim == 0) return;
-  gather_rows_kernel<<<grid_for(n * dim), kThreads, 0, stream>>>(table, index, n, dim, out);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(gather_rows_kernel, LaunchDims{dim3(grid_for(n * dim)), dim3(kThreads)}, stream,
+                table, index, n, dim, out);
 }
 
 void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int64_t dim, float eps,
@@ -126,45 +134,41 @@ void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int
   if (n_rows == 0) return;
   constexpr int kRowsPerBlock = kThreads / 32;
   const unsigned grid = static_cast<unsigned>((n_rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  rms_norm_kernel<<<grid, kThreads, 0, stream>>>(x, weight, n_rows, dim, eps,
-                                                 form == RmsNormForm::kOnePlusWeight, out);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(rms_norm_kernel, LaunchDims{dim3(grid), dim3(kThreads)}, stream, x, weight, n_rows,
+                dim, eps, form == RmsNormForm::kOnePlusWeight, out);
 }
 
 void rope_neox_f16(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
                    int64_t n_heads, int64_t head_dim, int64_t rotary_dim, cudaStream_t stream) {
   const int64_t total = n_rows * n_heads * (rotary_dim / 2);
   if (total == 0) return;
-  rope_neox_kernel<<<grid_for(total), kThreads, 0, stream>>>(x, cos, sin, n_rows, n_heads,
-                                                             head_dim, rotary_dim);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(rope_neox_kernel, LaunchDims{dim3(grid_for(total)), dim3(kThreads)}, stream, x, cos,
+                sin, n_rows, n_heads, head_dim, rotary_dim);
 }
 
 void silu_mul_f16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n,
                   cudaStream_t stream) {
   if (n == 0) return;
-  silu_mul_kernel<<<grid_for(n), kThreads, 0, stream>>>(gate, up, out, n);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(silu_mul_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, gate, up,
+                out, n);
 }
 
 void add_f16(uint16_t* x, const uint16_t* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  add_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(add_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, x, y, n);
 }
 
 void f32_to_f16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  f32_to_f16_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, dst, n);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(f32_to_f16_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, src, dst,
+                n);
 }
 
 void broadcast_bias(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y, bool y_f32,
                     cudaStream_t stream) {
   if (n_rows * cols == 0) return;
-  broadcast_bias_kernel<<<grid_for(n_rows * cols), kThreads, 0, stream>>>(bias, n_rows, cols, y,
-                                                                          y_f32);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(broadcast_bias_kernel, LaunchDims{dim3(grid_for(n_rows * cols)), dim3(kThreads)},
+                stream, bias, n_rows, cols, y, y_f32);
 }
 
 }  // namespace e4kv::cuda

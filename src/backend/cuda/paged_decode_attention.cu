@@ -742,6 +742,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
 //     at L2 speed one SM per row and KV head would read 139 KB after the fence and the atomic.
 //   - this kernel launched early (griddepcontrol.launch_dependents at the decode kernel's entry):
 //     10.6 vs 10.4 us; one CTA per (row, head) and one pass over the splits: 10.6 vs 10.4 us.
+//   - one round of loads (2026-12-01, session 8): each warp's splits loaded 8 at a time with an
+//     online log-sum-exp (running maximum, rescaled sums) instead of a block-wide maximum first,
+//     and the gate requested beside them: 11.4 against 9.7 us (one call, both builds side by
+//     side); slower, and it was not looked into further;
 //   - the same merge code in the decode kernel behind a runtime flag (not a separate instance)
 //     moved ptxas' allocation of the main loop (FP16 d 256: 236 -> 203 registers) and slowed dense
 //     FP16 decode at 4 x 128K from 248 to 285 us: keep any such tail in its own instance.

@@ -33,6 +33,7 @@
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/e4m3_vec.cuh"
+#include "backend/cuda/launch.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -112,6 +113,7 @@ __device__ __forceinline__ void store_piece(uint16_t* tile, int row, int piece, 
 template <int kHeadDim, int kKeyTile, class Elem>
 __global__ void __launch_bounds__(kThreads)
     paged_prefill_attention_kernel(const __grid_constant__ PrefillKernelParams p) {
+  enter_dependent_grid();
   constexpr int kChunks = kHeadDim / 8;                    // FP16 chunks per row
   constexpr int kPiecesPerRow = kHeadDim * Elem::kBytes / 16;  // 16-byte loads per cache row
   constexpr int kLoads = 2 * kKeyTile * kPiecesPerRow / kThreads;
@@ -370,8 +372,7 @@ void launch_prefill(const PrefillKernelParams& kp, int64_t n_items, int n_kv_hea
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(n_items), static_cast<unsigned>(n_kv_heads));
-  kernel<<<grid, kThreads, smem, stream>>>(kp);
-  E4KV_CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, LaunchDims{grid, dim3(kThreads), size_t(smem)}, stream, kp);
 }
 
 template <int kHeadDim, class Elem>

@@ -50,6 +50,25 @@
 // producer warps, 2 to 6 consumers with 2 to 4 slots each (as many 17 KB slots as fit): 18.2 to
 // 23.3 us cold, and about 18 us from L2 too: the math (at least 1440 instructions per lane per
 // tile) needs more warps than a shared-memory ring of whole tiles leaves room for.
+//   Where the time goes (ncu, H200, 2026-12-01, the QSA decode step's shape): cold, half of the
+// stall samples sit on the stage wait (cp.async.wait_group), DRAM 43% busy; with the data in L2
+// the kernel is issue-bound (0.61 instructions per cycle per scheduler at 16 warps per SM): of a
+// warp's 2700 instructions, 1636 are the 4 stages (1024 FFMA, 256 widenings, 160 LDS) and 700
+// run once per warp (row metadata, block table, query widening, the IEEE divisions, stores).
+//   Also tried and dropped the same day (step timed from a CUDA graph, cold; this kernel 14.2 us
+// in the same calls, 10.5 us from L2):
+//   - the compressed rows straight from global memory into registers, no shared-memory ring
+//     (16-dim chunks, 2 to 6 chunks in flight per warp, each waited on by its own registers):
+//     2 chunks (124 registers, 16 warps per SM) 17.9 us cold and 15.9 us from L2; 3, 4 or 6
+//     chunks (156-234 registers, 12 or 8 warps per SM) 20.4-21.4 us;
+//   - 3 stages at 16 warps per SM (14 KB per warp fills the 228 KB exactly): 15.7 us (10.8 from
+//     L2); 4 stages (12 warps per SM): 15.9 us. More bytes in flight per warp do not help;
+//   - the L2 prefetch-size hint on the copies (cp.async ... .L2::256B, the whole 256-byte row
+//     fetched by the first stage): 15.9 us;
+//   - a bulk L2 prefetch of the tile's blocks when a warp starts its tile (cp.async.bulk.
+//     prefetch.L2, 4 KB each): 16.0 us. The unused code alone moved ptxas' allocation (106 -> 96
+//     registers and a 16-byte spill) and cost 0.5 us: this kernel's register allocation is
+//     fragile, so compare any change against the unmodified build in the same call.
 //
 // Limits: n_index_heads 1..8, index_dim a multiple of 8 and <= 256, any block_size that is a
 // multiple of ratio, fewer than 2^31 compressed rows. Shared memory per warp: kStages x 4 KB + the

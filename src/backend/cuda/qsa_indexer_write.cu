@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -57,6 +58,7 @@ __device__ __forceinline__ uint16_t float_to_f16_bits(float value) {
 
 __global__ void __launch_bounds__(kThreads)
     qsa_indexer_groups_kernel(const __grid_constant__ IndexerWriteKernelParams p) {
+  enter_dependent_grid();
   __shared__ uint16_t pooled[kMaxDim];  // FP16 bits
   __shared__ uint16_t normed[kMaxDim];  // FP16 bits
 
@@ -117,6 +119,7 @@ __global__ void __launch_bounds__(kThreads)
 // sequence starts at 0 and has none, or what it held.
 __global__ void __launch_bounds__(kThreads)
     qsa_indexer_rings_kernel(const __grid_constant__ IndexerWriteKernelParams p) {
+  enter_dependent_grid();
   const int s = blockIdx.x;
   const int64_t first_row = p.token_offsets[s];
   const int64_t n = p.token_offsets[s + 1] - first_row;
@@ -190,11 +193,12 @@ Status qsa_indexer_write(const QsaIndexerWriteArgs& args, cudaStream_t stream) {
   kp.rope_table = args.rope_table;
   // n tokens complete at most ceil(n / ratio) groups (multiples of ratio in (start, start + n]).
   const int64_t max_groups = (args.max_tokens_per_seq + cv.ratio - 1) / cv.ratio;
-  qsa_indexer_groups_kernel<<<dim3(unsigned(max_groups), unsigned(args.batch.n_seqs)), kThreads, 0,
-                              stream>>>(kp);
-  E4KV_CUDA_CHECK_LAUNCH();
-  qsa_indexer_rings_kernel<<<unsigned(args.batch.n_seqs), kThreads, 0, stream>>>(kp);
-  E4KV_CUDA_CHECK_LAUNCH();
+  // The rings kernel overwrites ring slots the groups kernel reads: it waits for it at entry.
+  launch_kernel(qsa_indexer_groups_kernel,
+                LaunchDims{dim3(unsigned(max_groups), unsigned(args.batch.n_seqs)), dim3(kThreads)},
+                stream, kp);
+  launch_kernel(qsa_indexer_rings_kernel,
+                LaunchDims{dim3(unsigned(args.batch.n_seqs)), dim3(kThreads)}, stream, kp);
   return ok_status();
 }
 
