@@ -1,6 +1,7 @@
 // QSA decode benchmark, end to end: one decode step of the issue's shape (batch 4, 16 q heads, 2 KV
 // heads, head_dim 256, 128K context, block size 64; QSA budget 2048, indexer 4 heads x 128 dims,
-// ratio 4), dense FP16 paged decode beside the full QSA step in one process. The QSA step is
+// ratio 4; --batch N for other batch sizes), dense FP16 paged decode beside the full QSA step in
+// one process. The QSA step is
 // qsa_index_scores (writing the run maxima; rows with at most k = budget / ratio visible groups are
 // skipped) -> qsa_top_k_select (kAuto, given the maxima) -> paged_decode_attention over that
 // selection (width budget + 3, planned for budget + 3 keys), with the main cache in FP16, E4M3
@@ -36,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <numeric>
 #include <random>
@@ -62,7 +64,8 @@ using e4kv::bench::upload;
 using namespace e4kv;
 using namespace e4kv::cuda;
 
-constexpr int64_t kBatch = 4;
+// Decode rows (sequences), one per row: 4 by default (the issue's 128K shape), --batch N.
+int64_t g_batch = 4;
 constexpr int64_t kHeads = 16;
 constexpr int64_t kKvHeads = 2;
 constexpr int64_t kHeadDim = 256;
@@ -107,12 +110,12 @@ std::string kv_name(KvCacheDtype dtype, const DecodeAttentionConfig& config) {
 // Split-K workspace for `n_splits` splits of every row (cudaFree .m).
 DecodeAttentionWorkspace make_workspace(int64_t n_splits) {
   float* d_ws = nullptr;
-  E4KV_CUDA_CHECK(
-      cudaMalloc(&d_ws, decode_attention_workspace_floats(kBatch, n_splits, kHeads, kHeadDim) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(
+      &d_ws, decode_attention_workspace_floats(g_batch, n_splits, kHeads, kHeadDim) * 4));
   return DecodeAttentionWorkspace{d_ws,
-                                  d_ws + kBatch * n_splits * kHeads,
-                                  d_ws + 2 * kBatch * n_splits * kHeads,
-                                  kBatch,
+                                  d_ws + g_batch * n_splits * kHeads,
+                                  d_ws + 2 * g_batch * n_splits * kHeads,
+                                  g_batch,
                                   n_splits,
                                   kHeads,
                                   kHeadDim};
@@ -122,12 +125,12 @@ DecodeAttentionPlan plan_for(const KvCacheGeometry& geo, const DecodeAttentionCo
                              int64_t max_keys) {
   const Result<int64_t> resident = decode_attention_resident_ctas(geo, kHeads, config, 0);
   if (!resident.ok()) check(resident.status());
-  return plan_decode_attention(kBatch, kKvHeads, max_keys, *resident);
+  return plan_decode_attention(g_batch, kKvHeads, max_keys, *resident);
 }
 
-// True when no element of the [kBatch, kHeads, kHeadDim] fp32 output is NaN (or infinite).
+// True when no element of the [g_batch, kHeads, kHeadDim] fp32 output is NaN (or infinite).
 bool output_finite(const float* d_out) {
-  std::vector<float> out(size_t(kBatch * kHeads * kHeadDim));
+  std::vector<float> out(size_t(g_batch * kHeads * kHeadDim));
   E4KV_CUDA_CHECK(cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost));
   return std::all_of(out.begin(), out.end(), [](float x) { return std::isfinite(x); });
 }
@@ -143,13 +146,33 @@ struct QsaResult {
 
 }  // namespace
 
-// Usage: e4kv_bench_qsa_decode [OUT.json | --profile]
+// Usage: e4kv_bench_qsa_decode [--batch N] [OUT.json | --profile]
+// --batch N: N decode rows (1..64, default 4), each its own 128K sequence; the cold rotation's
+// copies adapt (more of them at small batches), dense decode reads N x 256 MB (FP16).
 // --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
 // native where usable), for a profiler (with ncu filtering the step's four kernels,
 // --launch-skip 6 * copies skips the warm-up).
 int main(int argc, char** argv) {
-  const bool profile = argc > 1 && std::string(argv[1]) == "--profile";
-  const char* json_path = argc > 1 && !profile ? argv[1] : "qsa_decode.json";
+  bool profile = false;
+  const char* json_path = "qsa_decode.json";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--profile") {
+      profile = true;
+    } else if (arg == "--batch" && i + 1 < argc) {
+      g_batch = std::atoll(argv[++i]);
+      if (g_batch < 1 || g_batch > 64) {
+        std::fprintf(stderr, "--batch %s: give 1..64 decode rows\n", argv[i]);
+        return 1;
+      }
+    } else if (arg.rfind("--", 0) == 0) {
+      std::fprintf(stderr, "unknown option %s (usage: [--profile] [--batch N] [JSON path])\n",
+                   arg.c_str());
+      return 1;
+    } else {
+      json_path = argv[i];
+    }
+  }
   if (device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -158,7 +181,7 @@ int main(int argc, char** argv) {
 
   // Main caches (FP16 1 GiB, E4M3 512 MB) and the block table they share with the indexer cache.
   const int64_t blocks_per_seq = (kCtx + kBlock - 1) / kBlock;
-  const int64_t n_blocks = blocks_per_seq * kBatch;
+  const int64_t n_blocks = blocks_per_seq * g_batch;
   const KvCacheGeometry geo_f16{n_blocks, kBlock, kKvHeads, kHeadDim, KvCacheDtype::kF16};
   const KvCacheGeometry geo_e4m3{n_blocks, kBlock, kKvHeads, kHeadDim, KvCacheDtype::kE4m3};
   uint8_t* d_cache_f16 = nullptr;
@@ -171,7 +194,7 @@ int main(int argc, char** argv) {
   // Indexer cache copies, each from its own seed: more than 160 MB together (L2: 60 MB), and
   // enough that the E4M3 KV rows their selections read exceed that too.
   const size_t compressed_elems = size_t(n_blocks * (kBlock / kRatio) * kIndexDim);
-  const size_t selected_e4m3_bytes = size_t(kBatch * kWidth * kKvHeads * kHeadDim * 2);
+  const size_t selected_e4m3_bytes = size_t(g_batch * kWidth * kKvHeads * kHeadDim * 2);
   const size_t cold_bytes = size_t(160) << 20;
   const int copies =
       int(std::max(cold_bytes / (compressed_elems * 2) + 1, cold_bytes / selected_e4m3_bytes + 1));
@@ -188,8 +211,8 @@ int main(int argc, char** argv) {
   std::vector<int32_t> table(static_cast<size_t>(n_blocks));
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), rng);
-  std::vector<int32_t> row_seq(kBatch), row_pos(kBatch, int32_t(kPos)),
-      seq_lens(kBatch, int32_t(kPos + 1));
+  std::vector<int32_t> row_seq(g_batch), row_pos(g_batch, int32_t(kPos)),
+      seq_lens(g_batch, int32_t(kPos + 1));
   std::iota(row_seq.begin(), row_seq.end(), 0);
   int32_t* d_table = upload(table);
   int32_t* d_row_seq = upload(row_seq);
@@ -197,7 +220,7 @@ int main(int argc, char** argv) {
   int32_t* d_seq_lens = upload(seq_lens);
 
   // Queries, output, and per-copy scores, run maxima and selections.
-  const size_t q_elems = size_t(kBatch * kHeads * kHeadDim);
+  const size_t q_elems = size_t(g_batch * kHeads * kHeadDim);
   const int64_t run_stride = (kMaxGroups + kQsaRunGroups - 1) / kQsaRunGroups;
   uint16_t* d_q = nullptr;
   uint16_t* d_index_q = nullptr;
@@ -208,24 +231,24 @@ int main(int argc, char** argv) {
   int32_t* d_counts = nullptr;
   void* d_top_k_ws = nullptr;
   E4KV_CUDA_CHECK(cudaMalloc(&d_q, q_elems * 2));
-  E4KV_CUDA_CHECK(cudaMalloc(&d_index_q, size_t(kBatch * kIndexHeads * kIndexDim) * 2));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_index_q, size_t(g_batch * kIndexHeads * kIndexDim) * 2));
   E4KV_CUDA_CHECK(cudaMalloc(&d_out, q_elems * 4));
-  E4KV_CUDA_CHECK(cudaMalloc(&d_scores, size_t(copies * kBatch * kMaxGroups) * 4));
-  E4KV_CUDA_CHECK(cudaMalloc(&d_maxima, size_t(copies * kBatch * run_stride) * 4));
-  E4KV_CUDA_CHECK(cudaMalloc(&d_sel, size_t(copies * kBatch * kWidth) * 4));
-  E4KV_CUDA_CHECK(cudaMalloc(&d_counts, size_t(copies * kBatch) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_scores, size_t(copies * g_batch * kMaxGroups) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_maxima, size_t(copies * g_batch * run_stride) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_sel, size_t(copies * g_batch * kWidth) * 4));
+  E4KV_CUDA_CHECK(cudaMalloc(&d_counts, size_t(copies * g_batch) * 4));
   E4KV_CUDA_CHECK(cudaMalloc(
       &d_top_k_ws,
-      std::max<size_t>(1, qsa_top_k_workspace_bytes(kBatch, kMaxGroups, kBudget, kRatio))));
+      std::max<size_t>(1, qsa_top_k_workspace_bytes(g_batch, kMaxGroups, kBudget, kRatio))));
   fill_cache_bytes(d_q, q_elems * 2, 99u, false);
-  fill_f16(d_index_q, size_t(kBatch * kIndexHeads * kIndexDim), 99u, 9u, 8u);
+  fill_f16(d_index_q, size_t(g_batch * kIndexHeads * kIndexDim), 99u, 9u, 8u);
 
   QueryBatchView rows;
-  rows.n_rows = kBatch;
+  rows.n_rows = g_batch;
   rows.row_seq = d_row_seq;
   rows.row_pos = d_row_pos;
   rows.seq_lens = d_seq_lens;
-  const BlockTableView block_table{d_table, kBatch, blocks_per_seq};
+  const BlockTableView block_table{d_table, g_batch, blocks_per_seq};
   std::vector<QsaIndexScoresArgs> scores_args(copies);
   std::vector<QsaTopKArgs> top_k_args(copies);
   for (int c = 0; c < copies; ++c) {
@@ -238,8 +261,8 @@ int main(int argc, char** argv) {
     sa.n_index_heads = kIndexHeads;
     sa.max_groups = kMaxGroups;
     sa.skip_visible_at_most = kBudget / kRatio;
-    sa.scores = d_scores + c * kBatch * kMaxGroups;
-    sa.run_maxima = d_maxima + c * kBatch * run_stride;
+    sa.scores = d_scores + c * g_batch * kMaxGroups;
+    sa.run_maxima = d_maxima + c * g_batch * run_stride;
     sa.run_stride = run_stride;
     QsaTopKArgs& ta = top_k_args[c];
     ta.rows = rows;
@@ -249,8 +272,8 @@ int main(int argc, char** argv) {
     ta.max_groups = kMaxGroups;
     ta.run_maxima = sa.run_maxima;
     ta.run_stride = run_stride;
-    ta.sel_tokens = d_sel + c * kBatch * kWidth;
-    ta.sel_counts = d_counts + c * kBatch;
+    ta.sel_tokens = d_sel + c * g_batch * kWidth;
+    ta.sel_counts = d_counts + c * g_batch;
     ta.workspace = d_top_k_ws;
     ta.method = QsaTopKMethod::kAuto;
   }
@@ -296,8 +319,8 @@ int main(int argc, char** argv) {
     scores_step(nullptr, c);
     top_k_step(nullptr, c);
   }
-  std::vector<int32_t> counts(size_t(copies * kBatch));
-  std::vector<int32_t> sel(size_t(copies * kBatch * kWidth));
+  std::vector<int32_t> counts(size_t(copies * g_batch));
+  std::vector<int32_t> sel(size_t(copies * g_batch * kWidth));
   E4KV_CUDA_CHECK(cudaMemcpy(counts.data(), d_counts, counts.size() * 4, cudaMemcpyDeviceToHost));
   E4KV_CUDA_CHECK(cudaMemcpy(sel.data(), d_sel, sel.size() * 4, cudaMemcpyDeviceToHost));
   const auto bad =
@@ -307,14 +330,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "%zu of %zu selection rows have sel_count != %lld (copy %zu row %zu: %d)\n",
                  size_t(counts.size() - std::count(counts.begin(), counts.end(), int32_t(kWidth))),
-                 counts.size(), (long long)kWidth, i / kBatch, i % kBatch, *bad);
+                 counts.size(), (long long)kWidth, i / g_batch, i % g_batch, *bad);
     sane = false;
   }
   // Row 0's tokens that copies 0 and 1 both select (random groups: about budget^2 / ctx + tail).
   std::vector<int32_t> shared;
   if (copies > 1) {
-    std::set_intersection(sel.begin(), sel.begin() + kWidth, sel.begin() + kBatch * kWidth,
-                          sel.begin() + (kBatch + 1) * kWidth, std::back_inserter(shared));
+    std::set_intersection(sel.begin(), sel.begin() + kWidth, sel.begin() + g_batch * kWidth,
+                          sel.begin() + (g_batch + 1) * kWidth, std::back_inserter(shared));
   }
 
   std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds{
@@ -377,7 +400,7 @@ int main(int argc, char** argv) {
   std::printf(
       "shape: batch %lld, heads %lld / %lld kv, head_dim %lld, ctx %lld (pos %lld), block %lld; "
       "QSA budget %lld, index %lld x %lld, ratio %lld\n",
-      (long long)kBatch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
+      (long long)g_batch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
       (long long)kCtx, (long long)kPos, (long long)kBlock, (long long)kBudget,
       (long long)kIndexHeads, (long long)kIndexDim, (long long)kRatio);
   std::printf(
@@ -418,7 +441,7 @@ int main(int argc, char** argv) {
                "\"head_dim\": %lld, \"ctx\": %lld, \"row_pos\": %lld, \"seq_len\": %lld, "
                "\"block_size\": %lld, \"budget\": %lld, \"index_heads\": %lld, "
                "\"index_dim\": %lld, \"ratio\": %lld},\n",
-               (long long)kBatch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
+               (long long)g_batch, (long long)kHeads, (long long)kKvHeads, (long long)kHeadDim,
                (long long)kCtx, (long long)kPos, (long long)(kPos + 1), (long long)kBlock,
                (long long)kBudget, (long long)kIndexHeads, (long long)kIndexDim, (long long)kRatio);
   std::fprintf(f,
