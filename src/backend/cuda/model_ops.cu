@@ -22,8 +22,10 @@ __device__ __forceinline__ uint16_t f2h(float x) {
   return __half_as_ushort(__float2half_rn(x));
 }
 
-unsigned grid_for(int64_t n) {
-  return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65536));
+// A grid-stride launch over n elements.
+LaunchDims flat(int64_t n) {
+  const auto blocks = std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65536);
+  return LaunchDims{dim3(static_cast<unsigned>(blocks)), dim3(kThreads)};
 }
 
 __global__ void gather_rows_kernel(const uint16_t* table, const int32_t* index, int64_t n,
@@ -125,8 +127,7 @@ __global__ void broadcast_bias_kernel(const uint16_t* bias, int64_t n_rows, int6
 void gather_rows_f16(const uint16_t* table, const int32_t* index, int64_t n, int64_t dim,
                      uint16_t* out, cudaStream_t stream) {
   if (n * dim == 0) return;
-  launch_kernel(gather_rows_kernel, LaunchDims{dim3(grid_for(n * dim)), dim3(kThreads)}, stream,
-                table, index, n, dim, out);
+  launch_kernel(gather_rows_kernel, flat(n * dim), stream, table, index, n, dim, out);
 }
 
 void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int64_t dim, float eps,
@@ -138,37 +139,34 @@ void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int
                 dim, eps, form == RmsNormForm::kOnePlusWeight, out);
 }
 
-void rope_neox_f16(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
-                   int64_t n_heads, int64_t head_dim, int64_t rotary_dim, cudaStream_t stream) {
+void rope_neox_f16(uint16_t* x, const float* cos, const float* sin, int64_t n_rows, int64_t n_heads,
+                   int64_t head_dim, int64_t rotary_dim, cudaStream_t stream) {
   const int64_t total = n_rows * n_heads * (rotary_dim / 2);
   if (total == 0) return;
-  launch_kernel(rope_neox_kernel, LaunchDims{dim3(grid_for(total)), dim3(kThreads)}, stream, x, cos,
-                sin, n_rows, n_heads, head_dim, rotary_dim);
+  launch_kernel(rope_neox_kernel, flat(total), stream, x, cos, sin, n_rows, n_heads, head_dim,
+                rotary_dim);
 }
 
 void silu_mul_f16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n,
                   cudaStream_t stream) {
   if (n == 0) return;
-  launch_kernel(silu_mul_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, gate, up,
-                out, n);
+  launch_kernel(silu_mul_kernel, flat(n), stream, gate, up, out, n);
 }
 
 void add_f16(uint16_t* x, const uint16_t* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  launch_kernel(add_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, x, y, n);
+  launch_kernel(add_kernel, flat(n), stream, x, y, n);
 }
 
 void f32_to_f16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  launch_kernel(f32_to_f16_kernel, LaunchDims{dim3(grid_for(n)), dim3(kThreads)}, stream, src, dst,
-                n);
+  launch_kernel(f32_to_f16_kernel, flat(n), stream, src, dst, n);
 }
 
 void broadcast_bias(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y, bool y_f32,
                     cudaStream_t stream) {
   if (n_rows * cols == 0) return;
-  launch_kernel(broadcast_bias_kernel, LaunchDims{dim3(grid_for(n_rows * cols)), dim3(kThreads)},
-                stream, bias, n_rows, cols, y, y_f32);
+  launch_kernel(broadcast_bias_kernel, flat(n_rows * cols), stream, bias, n_rows, cols, y, y_f32);
 }
 
 }  // namespace e4kv::cuda
