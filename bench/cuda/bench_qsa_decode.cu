@@ -146,19 +146,24 @@ struct QsaResult {
 
 }  // namespace
 
-// Usage: e4kv_bench_qsa_decode [--batch N] [OUT.json | --profile]
+// Usage: e4kv_bench_qsa_decode [--batch N] [--exact-scores] [OUT.json | --profile]
 // --batch N: N decode rows (1..64, default 4), each its own 128K sequence; the cold rotation's
 // copies adapt (more of them at small batches), dense decode reads N x 256 MB (FP16).
+// --exact-scores: the index scores from the exact FFMA kernel (QsaIndexScoresArgs::exact), for
+// the side-by-side against the tensor-core default.
 // --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
 // native where usable), for a profiler (with ncu filtering the step's four kernels,
 // --launch-skip 6 * copies skips the warm-up).
 int main(int argc, char** argv) {
   bool profile = false;
+  bool exact_scores = false;
   const char* json_path = "qsa_decode.json";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--profile") {
       profile = true;
+    } else if (arg == "--exact-scores") {
+      exact_scores = true;
     } else if (arg == "--batch" && i + 1 < argc) {
       g_batch = std::atoll(argv[++i]);
       if (g_batch < 1 || g_batch > 64) {
@@ -166,8 +171,10 @@ int main(int argc, char** argv) {
         return 1;
       }
     } else if (arg.rfind("--", 0) == 0) {
-      std::fprintf(stderr, "unknown option %s (usage: [--profile] [--batch N] [JSON path])\n",
-                   arg.c_str());
+      std::fprintf(
+          stderr,
+          "unknown option %s (usage: [--profile] [--batch N] [--exact-scores] [JSON path])\n",
+          arg.c_str());
       return 1;
     } else {
       json_path = argv[i];
@@ -264,6 +271,7 @@ int main(int argc, char** argv) {
     sa.scores = d_scores + c * g_batch * kMaxGroups;
     sa.run_maxima = d_maxima + c * g_batch * run_stride;
     sa.run_stride = run_stride;
+    sa.exact = exact_scores;
     QsaTopKArgs& ta = top_k_args[c];
     ta.rows = rows;
     ta.ratio = kRatio;

@@ -1,8 +1,9 @@
 // CUDA QSA indexer kernels against the CPU reference (qsa/selection.h) on fresh random data:
-// index scores bit for bit, top-k selections (tokens and counts) exactly. Shuffled block tables,
-// block sizes 16 and 64, budgets 64 and 2048, query rows at pos % 4 = 0..3 with visible groups
-// below, at and just above k and up to 20000, duplicated compressed rows (exact score ties) and
-// negative dot products (all-zero scores). Outputs are poisoned before each run.
+// index scores bit for bit (the exact kernel), top-k selections (tokens and counts) exactly, and
+// the top-k over the tensor-core scores exactly against the CPU top-k over those same scores.
+// Shuffled block tables, block sizes 16 and 64, budgets 64 and 2048, query rows at pos % 4 = 0..3
+// with visible groups below, at and just above k and up to 20000, duplicated compressed rows (exact
+// score ties) and negative dot products (all-zero scores). Outputs are poisoned before each run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -210,6 +211,7 @@ void run_case(const Case& cs, uint32_t seed) {
   sa.n_index_heads = kHeads;
   sa.max_groups = max_groups;
   sa.scores = d_scores.ptr;
+  sa.exact = true;  // bit-identical scores, so the selections can be compared with the CPU's
   const Status scored = qsa_index_scores(sa, nullptr);
   ASSERT_TRUE(scored.ok()) << scored.message();
   E4KV_CUDA_CHECK(cudaDeviceSynchronize());
@@ -298,6 +300,59 @@ void run_case(const Case& cs, uint32_t seed) {
     EXPECT_EQ(compare_selections(ref_tokens, ref_counts, d_tokens.to_host(), d_counts.to_host(),
                                  width, row_pos, name + " chained"),
               0);
+  }
+
+  // The default tensor-core scores (within summation error of the CPU's, test_qsa_scores.cu),
+  // then the top-k: exactly the CPU top-k and expansion over those same scores.
+  {
+    E4KV_CUDA_CHECK(
+        cudaMemcpy(d_scores.ptr, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice));
+    E4KV_CUDA_CHECK(cudaMemset(d_tokens.ptr, 0x7F, d_tokens.n * sizeof(int32_t)));
+    E4KV_CUDA_CHECK(cudaMemset(d_counts.ptr, 0x7F, d_counts.n * sizeof(int32_t)));
+    sa.scores = d_scores.ptr;
+    sa.skip_visible_at_most = 0;
+    sa.exact = false;
+    QsaTopKArgs ta;
+    ta.rows = sa.rows;
+    ta.ratio = kRatio;
+    ta.budget = cs.budget;
+    ta.scores = d_scores.ptr;
+    ta.max_groups = max_groups;
+    ta.sel_tokens = d_tokens.ptr;
+    ta.sel_counts = d_counts.ptr;
+    ta.workspace = d_topk_ws.ptr;
+    const Status rescored = qsa_index_scores(sa, nullptr);
+    ASSERT_TRUE(rescored.ok()) << rescored.message();
+    const Status selected = qsa_top_k_select(ta, nullptr);
+    ASSERT_TRUE(selected.ok()) << selected.message();
+    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> tc_scores = d_scores.to_host();
+    std::vector<int32_t> tc_tokens(size_t(n_rows * width), 12345);
+    std::vector<int32_t> tc_counts(size_t(n_rows), 12345);
+    std::vector<int32_t> groups(static_cast<size_t>(k));
+    int64_t differing_rows = 0;
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t visible =
+          qsa_visible_groups(row_pos[size_t(r)], seq_lens[size_t(row_seq[size_t(r)])], kRatio);
+      const int64_t n = qsa_top_k_groups(
+          std::span<const float>(tc_scores.data() + r * max_groups, size_t(visible)), k,
+          groups.data());
+      tc_counts[size_t(r)] = int32_t(qsa_expand_tokens(
+          std::span<const int32_t>(groups.data(), size_t(n)), row_pos[size_t(r)], kRatio,
+          std::span<int32_t>(tc_tokens.data() + r * width, size_t(width))));
+      differing_rows +=
+          std::equal(tc_tokens.begin() + r * width, tc_tokens.begin() + (r + 1) * width,
+                     ref_tokens.begin() + r * width)
+              ? 0
+              : 1;
+    }
+    EXPECT_EQ(compare_selections(tc_tokens, tc_counts, d_tokens.to_host(), d_counts.to_host(),
+                                 width, row_pos, name + " tensor-core scores"),
+              0);
+    std::printf(
+        "[ info ] %s: tensor-core scores select other tokens than the exact ones in %lld of "
+        "%lld rows\n",
+        name.c_str(), (long long)differing_rows, (long long)n_rows);
   }
 
   // The test covers what it claims: ties at the threshold, an all-zero threshold, long rows.

@@ -2,10 +2,15 @@
 // complete group c of every query row, read through the block table from the paged compressed
 // indexer cache (DESIGN.md section 4, step 5).
 //
-// Bit-identical to the CPU reference (qsa/selection.h): each (row, group) is scored by one lane
-// running the reference's loops in the reference's order: each head's dot product is a chain over
-// d = 0..index_dim-1 starting from 0.0f, the heads are summed in order, then one IEEE division by
-// the host's sqrtf(index_dim). The top-k that follows can therefore be compared exactly with the
+// Two kernels. The default computes the head dot products on tensor cores (described before it,
+// at the end of this file's kernels): FP16 products are exact, the fp32 sums follow the tensor
+// core's order. QsaIndexScoresArgs::exact selects the FFMA kernel described here, for comparisons
+// with the CPU bit for bit.
+//
+// Exact kernel: bit-identical to the CPU reference (qsa/selection.h): each (row, group) is scored
+// by one lane running the reference's loops in the reference's order: each head's dot product is
+// a chain over d = 0..index_dim-1 starting from 0.0f, the heads are summed in order, then one IEEE
+// division by the host's sqrtf(index_dim). The top-k that follows can therefore be compared exactly with the
 // CPU selection. The reference rounds each product, then each sum; here one FFMA does both, and
 // the results are the same bits: both factors are FP16 values widened to fp32 (11 significant bits
 // each), so the product has at most 22 significant bits and lies in [2^-48, 2^32] or is 0: fp32
@@ -125,6 +130,7 @@ struct ScoresKernelParams {
   const int32_t* row_pos;   // [n_rows]
   const int32_t* seq_lens;  // [n_seqs]
   const uint16_t* index_q;  // [n_rows, n_heads, index_dim] FP16
+  int32_t n_heads;
   int64_t max_groups;
   int64_t skip_visible_at_most;
   float sqrt_index_dim;  // sqrtf(float(index_dim)), as the CPU computes it
@@ -500,6 +506,144 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
   cp_async_wait<0>();
 }
 
+// ---- Tensor-core scores (the default) ----------------------------------------------------------
+// One warp per tile of 32 consecutive groups of one row; CTAs of 4 warps, grid (tiles / 4, rows):
+// at 4 x 32K groups every warp is resident at once (62 registers, 32 warps per SM on the H200).
+// The tile's head dot products are C = A . B with mma.m16n8k8 (FP16 in, fp32 accumulation): A =
+// the compressed rows (two m-tiles of 16 groups), B = the row's query transposed (dims x heads,
+// the heads as the 8 columns, zero past n_heads). Head dims are permuted alike in A and B so that
+// every fragment comes from one 16-byte load straight into registers: in slab z (128 dims), lane
+// (g = lane / 4, t = lane % 4) loads vector 16 z + 4 j + t (j < 4) of its four rows (groups 8 i +
+// g of the tile) and of head g's query; word w of that vector is the lane's pair of k columns
+// (2 t, 2 t + 1) in k-step (j, w). A lane's C holds heads 2 t, 2 t + 1 of groups g, g + 8 per
+// m-tile: ReLU, a sum over the lane's two heads and two shuffles give each group's head sum, one
+// IEEE division by sqrt(index_dim) the score, and lane l stores group l's.
+// Products of two FP16 values are exact in fp32; the tensor core sums them in its own order, so a
+// score can differ from the CPU reference's sequential chain in the last bits (tests: a bound on
+// the summation error, and the top-k checked against the CPU's on the kernel's own scores).
+// QsaIndexScoresArgs::exact selects the FFMA kernel above, which is bit-identical.
+//   Measured (H200, 2026-12-01, the QSA decode step's 4 x 32K groups, cold, from a CUDA graph, in
+// one call): 12.4 us against 14.2 us for the FFMA kernel; a plain cold read of the same 33.5 MB
+// takes 9.7 us. ptxas spreads a warp's 16 row loads over three batches between the mma's (62
+// registers), and yet this is the fastest variant tried. Also tried, in the same calls:
+//   - every copy of the tile first into the warp's shared memory with cp.async (8 KB per warp,
+//     one round trip; 24 warps per SM, so 1.3 waves): 13.9-14.0 us;
+//   - the same with whole 256-byte rows per copy instruction: 0.3 us slower still;
+//   - the block table and sequence length loaded for sequence `row` beside row_seq (one round
+//     trip less where row_seq[row] == row): no change;
+//   - the groups as the N dimension (the heads as M, so no register moves for the fragments),
+//     rows into registers: 15.6 us.
+constexpr int kMmaTileGroups = 32;
+constexpr int kMmaWarps = 4;
+constexpr int kSlabVecs = 16;              // 16-byte vectors per slab: 128 dims
+constexpr int kSlabSteps = kSlabVecs / 4;  // vectors per lane per row and slab
+static_assert(kMmaTileGroups == 32 && kRunGroups == 8);
+
+__global__ void __launch_bounds__(kMmaWarps * 32)
+    qsa_index_scores_mma_kernel(const __grid_constant__ ScoresKernelParams p) {
+  enter_dependent_grid();
+  const int lane = int(threadIdx.x) & 31;
+  const int32_t row = int32_t(blockIdx.y);
+  const int64_t base = (int64_t(blockIdx.x) * kMmaWarps + (threadIdx.x >> 5)) * kMmaTileGroups;
+  if (base >= p.max_groups) return;
+  const int32_t seq = __ldg(p.row_seq + row);
+  const int64_t pos = __ldg(p.row_pos + row);
+  const int64_t seq_len = __ldg(p.seq_lens + seq);
+  const int64_t causal = (pos + 1) / p.ratio;
+  const int64_t written = seq_len / p.ratio;
+  int64_t visible = causal < written ? causal : written;
+  if (visible > p.max_groups) visible = p.max_groups;
+  if (visible <= p.skip_visible_at_most || base >= visible) return;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const uint32_t rpb = uint32_t(p.rows_per_block);
+  const int32_t* table_row = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
+  // Compressed row of the lane's groups base + 8 i + g. Groups past visible and unreadable blocks
+  // are not read: their rows are zeros, so the score is exactly +0.
+  uint32_t src[4];
+  bool read[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t c = uint32_t(base) + uint32_t(8 * i + g);
+    uint32_t logical;
+    uint32_t slot;
+    if (p.rows_per_block_shift >= 0) {
+      logical = c >> p.rows_per_block_shift;
+      slot = c & (rpb - 1u);
+    } else {
+      logical = c / rpb;
+      slot = c - logical * rpb;
+    }
+    int32_t block = -1;
+    if (int64_t(c) < visible && int64_t(logical) < p.max_blocks_per_seq) {
+      block = __ldg(table_row + logical);
+    }
+    read[i] = block >= 0 && int64_t(block) < p.n_blocks;
+    src[i] = read[i] ? uint32_t(block) * rpb + slot : 0u;
+  }
+  const int n_vecs = p.index_dim / 8;
+  const uint16_t* q_head = p.index_q + (int64_t(row) * p.n_heads + g) * p.index_dim;
+  const bool head_live = g < p.n_heads;
+  float acc[2][4] = {};
+  for (int slab = 0; slab * kSlabVecs < n_vecs; ++slab) {
+    uint4 a[4][kSlabSteps];
+    uint4 b[kSlabSteps];
+#pragma unroll
+    for (int j = 0; j < kSlabSteps; ++j) {
+      const int v = slab * kSlabVecs + 4 * j + t;
+      const bool dim_live = v < n_vecs;
+      b[j] = head_live && dim_live ? __ldg(reinterpret_cast<const uint4*>(q_head + v * 8))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a[i][j] = read[i] && dim_live
+                      ? __ldg(reinterpret_cast<const uint4*>(
+                            p.compressed + size_t(src[i]) * uint32_t(p.index_dim) + v * 8))
+                      : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int j = 0; j < kSlabSteps; ++j) {
+        mma_m16n8k8(acc[m], a[2 * m][j].x, a[2 * m + 1][j].x, b[j].x);
+        mma_m16n8k8(acc[m], a[2 * m][j].y, a[2 * m + 1][j].y, b[j].y);
+        mma_m16n8k8(acc[m], a[2 * m][j].z, a[2 * m + 1][j].z, b[j].z);
+        mma_m16n8k8(acc[m], a[2 * m][j].w, a[2 * m + 1][j].w, b[j].w);
+      }
+    }
+  }
+  // sum[i]: group 8 i + g (rows g and g + 8 of m-tile i / 2), the lane's two heads; after the
+  // shuffles over t, all heads. Lane l then takes group l's, from lane 4 (l % 8), entry l / 8.
+  float sum[4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    sum[2 * m] = fmaxf(acc[m][0], 0.0f) + fmaxf(acc[m][1], 0.0f);
+    sum[2 * m + 1] = fmaxf(acc[m][2], 0.0f) + fmaxf(acc[m][3], 0.0f);
+  }
+  float mine = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sum[i] += __shfl_xor_sync(0xFFFFFFFFu, sum[i], 1);
+    sum[i] += __shfl_xor_sync(0xFFFFFFFFu, sum[i], 2);
+    const float v = __shfl_sync(0xFFFFFFFFu, sum[i], 4 * (lane & 7));
+    if ((lane >> 3) == i) mine = v;
+  }
+  const float score = __fdiv_rn(mine, p.sqrt_index_dim);
+  const bool valid = base + lane < visible;
+  if (valid) p.scores[int64_t(row) * p.max_groups + base + lane] = score;
+  if (p.run_maxima != nullptr) {  // uniform; run r of the tile is lanes 8 r .. 8 r + 7
+    float run_max = valid ? score : -INFINITY;
+#pragma unroll
+    for (int offset = 1; offset < kRunGroups; offset <<= 1) {
+      run_max = fmaxf(run_max, __shfl_xor_sync(0xFFFFFFFFu, run_max, offset));
+    }
+    if (lane % kRunGroups == 0 && valid) {
+      p.run_maxima[int64_t(row) * p.run_stride + base / kRunGroups + lane / kRunGroups] = run_max;
+    }
+  }
+}
+
 using ScoresKernel = void (*)(ScoresKernelParams);
 
 ScoresKernel scores_kernel(int64_t n_heads) {
@@ -643,6 +787,16 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   kp.scores = args.scores;
   kp.run_maxima = args.run_maxima;
   kp.run_stride = args.run_stride;
+  kp.n_heads = int32_t(args.n_index_heads);
+  if (!args.exact) {
+    const int64_t tiles = (args.max_groups + kMmaTileGroups - 1) / kMmaTileGroups;
+    const int64_t ctas_per_row = (tiles + kMmaWarps - 1) / kMmaWarps;  // < 2^24
+    launch_kernel(qsa_index_scores_mma_kernel,
+                  LaunchDims{dim3(unsigned(ctas_per_row), unsigned(args.rows.n_rows)),
+                             dim3(unsigned(kMmaWarps * 32))},
+                  stream, kp);
+    return ok_status();
+  }
   kp.tiles_per_row = (args.max_groups + kTileGroups - 1) / kTileGroups;
   kp.n_tiles = args.rows.n_rows * kp.tiles_per_row;
 

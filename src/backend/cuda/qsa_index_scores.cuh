@@ -1,7 +1,7 @@
 // QSA index scores on the GPU (DESIGN.md section 4, step 5): for every query row, the score of
-// every visible complete group over the paged compressed indexer cache, bit-identical to the CPU
-// reference qsa_index_scores (qsa/selection.h). Host-only header (no CUDA include beyond the
-// stream type).
+// every visible complete group over the paged compressed indexer cache, on tensor cores (within
+// fp32 summation error of the CPU reference qsa_index_scores, qsa/selection.h), or bit-identical
+// to it with `exact`. Host-only header (no CUDA include beyond the stream type).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,6 +34,11 @@ struct QsaIndexScoresArgs {
   // qsa_top_k_select's QsaTopKArgs::run_maxima. nullptr: not written.
   float* run_maxima = nullptr;
   int64_t run_stride = 0;
+  // false (the default): tensor cores. FP16 products are exact in fp32 but the tensor core sums
+  // them in its own order, so a score may differ from the CPU reference in its last bits. true:
+  // fp32 FMA chains in the reference's order, bit-identical to it, for comparisons of selections
+  // with the CPU (14.2 against 12.4 us at 4 rows x 128K tokens, cold, on the H200).
+  bool exact = false;
 };
 
 // scores[r, c] for c < visible(r) = min((pos + 1) / ratio, seq_len / ratio), per the CPU contract.
