@@ -507,8 +507,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 }
 
 // ---- Tensor-core scores (the default) ----------------------------------------------------------
-// One warp per tile of 32 consecutive groups of one row; CTAs of 4 warps, grid (tiles / 4, rows):
-// at 4 x 32K groups every warp is resident at once (62 registers, 32 warps per SM on the H200).
+// One warp per tile of 32 consecutive groups of one row; CTAs of 4 warps, grid (tiles / 4, rows).
 // The tile's head dot products are C = A . B with mma.m16n8k8 (FP16 in, fp32 accumulation): A =
 // the compressed rows (two m-tiles of 16 groups), B = the row's query transposed (dims x heads,
 // the heads as the 8 columns, zero past n_heads). Head dims are permuted alike in A and B so that
@@ -522,13 +521,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 // score can differ from the CPU reference's sequential chain in the last bits (tests: a bound on
 // the summation error, and the top-k checked against the CPU's on the kernel's own scores).
 // QsaIndexScoresArgs::exact selects the FFMA kernel above, which is bit-identical.
-//   Measured (H200, 2026-12-01, the QSA decode step's 4 x 32K groups, cold, from a CUDA graph, in
-// one call): 12.4 us against 14.2 us for the FFMA kernel; a plain cold read of the same 33.5 MB
-// takes 9.7 us. ptxas spreads a warp's 16 row loads over three batches between the mma's (62
-// registers), and yet this is the fastest variant tried. Also tried, in the same calls:
+//   Measured (H200, 2026-12-01, the QSA decode step's 4 x 32K groups, cold, from a CUDA graph):
+// 12.4-12.7 us against 14.2 us for the FFMA kernel; a plain cold read of the same 33.5 MB takes
+// 9.7 us. At 16 x 32K groups, 40.2 against 55.3 us (3.3 TB/s). Also tried, each side by side with
+// the kernel of the time in one call:
 //   - every copy of the tile first into the warp's shared memory with cp.async (8 KB per warp,
-//     one round trip; 24 warps per SM, so 1.3 waves): 13.9-14.0 us;
+//     one round trip; 24 warps per SM, so 1.3 waves): 13.9-14.0 us against 12.4 us;
 //   - the same with whole 256-byte rows per copy instruction: 0.3 us slower still;
+//   - CTAs of 1, 2 or 8 warps instead of 4: 12.5, 12.4 and 13.5 us against 12.5 us;
 //   - the block table and sequence length loaded for sequence `row` beside row_seq (one round
 //     trip less where row_seq[row] == row): no change;
 //   - the groups as the N dimension (the heads as M, so no register moves for the fragments),
@@ -539,7 +539,11 @@ constexpr int kSlabVecs = 16;              // 16-byte vectors per slab: 128 dims
 constexpr int kSlabSteps = kSlabVecs / 4;  // vectors per lane per row and slab
 static_assert(kMmaTileGroups == 32 && kRunGroups == 8);
 
-__global__ void __launch_bounds__(kMmaWarps * 32)
+// A minimum of one CTA per SM in the launch bounds lets ptxas keep a slab's 16 row loads in flight
+// together (110 registers, 16 warps per SM). Without it ptxas chose 62 registers (32 warps per
+// SM) and spread the loads over three round trips between the mma's: 13.0 against 12.5 us at
+// 4 x 32K groups and 48.2 against 40.2 us at 16 x 32K (H200, 2026-12-01, cold, in one call).
+__global__ void __launch_bounds__(kMmaWarps * 32, 1)
     qsa_index_scores_mma_kernel(const __grid_constant__ ScoresKernelParams p) {
   enter_dependent_grid();
   const int lane = int(threadIdx.x) & 31;
