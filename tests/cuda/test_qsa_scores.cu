@@ -300,51 +300,51 @@ void run_scores_case(const ScoresCase& cs) {
   EXPECT_GT(scored_rows, 10) << name;
 }
 
-TEST(QsaScoresCuda, TensorCoresMatchCpuReferenceWithinSummationError) {
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  uint32_t seed = 100;
-  for (int64_t heads : {1, 3, 4, 8}) {
-    for (int64_t dim : {8, 64, 128, 136, 256}) {
-      for (int64_t bs : {16, 64}) {
-        run_scores_case(ScoresCase{heads, dim, bs, seed++});
-        if (HasFailure()) return;
-      }
-    }
-  }
-}
-
-TEST(QsaScoresCuda, ExactKernelMatchesCpuReferenceBitForBit) {
-  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  uint32_t seed = 300;
+// Heads {1, 3, 4, 8} x index_dim {8, 64, 128, 136, 256} x block size {16, 64}, seeds from `seed`.
+void run_every_shape(bool exact, uint32_t seed) {
   for (int64_t heads : {1, 3, 4, 8}) {
     for (int64_t dim : {8, 64, 128, 136, 256}) {
       for (int64_t bs : {16, 64}) {
         ScoresCase cs{heads, dim, bs, seed++};
-        cs.exact = true;
+        cs.exact = exact;
         run_scores_case(cs);
-        if (HasFailure()) return;
+        if (::testing::Test::HasFailure()) return;
       }
     }
   }
 }
 
-// Every head-count instance, skip_visible_at_most and a max_groups that cuts rows short.
+TEST(QsaScoresCuda, TensorCoresMatchCpuReferenceWithinSummationError) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  run_every_shape(false, 100);
+}
+
+TEST(QsaScoresCuda, ExactKernelMatchesCpuReferenceBitForBit) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  run_every_shape(true, 300);
+}
+
+// Every head-count instance of both kernels, skip_visible_at_most and a max_groups that cuts rows
+// short.
 TEST(QsaScoresCuda, SkipAndCutRowsAndEveryHeadCount) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   uint32_t seed = 500;
-  for (int64_t heads = 1; heads <= 8; ++heads) {
-    run_scores_case(ScoresCase{heads, 128, 64, seed++, 100, 0});
-    run_scores_case(ScoresCase{heads, 40, 16, seed++, 0, 300});
-    if (HasFailure()) return;
-  }
-  // Many rows: several tiles per warp, warp ranges that cross many rows (the exact kernel).
   for (bool exact : {false, true}) {
-    ScoresCase many{4, 128, 64, seed++, 0, 0, 3000};
-    many.exact = exact;
-    run_scores_case(many);
-    ScoresCase wide{8, 256, 16, seed++, 37, 11, 2000};
-    wide.exact = exact;
-    run_scores_case(wide);
+    for (int64_t heads = 1; heads <= 8; ++heads) {
+      for (ScoresCase cs : {ScoresCase{heads, 128, 64, seed++, 100, 0},
+                            ScoresCase{heads, 40, 16, seed++, 0, 300}}) {
+        cs.exact = exact;
+        run_scores_case(cs);
+      }
+      if (HasFailure()) return;
+    }
+    // Many rows: for the exact kernel's persistent warps, several tiles per warp and warp ranges
+    // that cross many rows.
+    for (ScoresCase cs : {ScoresCase{4, 128, 64, seed++, 0, 0, 3000},
+                          ScoresCase{8, 256, 16, seed++, 37, 11, 2000}}) {
+      cs.exact = exact;
+      run_scores_case(cs);
+    }
   }
 }
 
