@@ -49,6 +49,7 @@
 #include "backend/cuda/paged_decode_attention.cuh"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_topk.cuh"
+#include "backend/cuda/timeline.cuh"
 #include "bench_data.cuh"
 #include "bench_timing.cuh"
 
@@ -125,7 +126,9 @@ DecodeAttentionPlan plan_for(const KvCacheGeometry& geo, const DecodeAttentionCo
                              int64_t max_keys) {
   const Result<int64_t> resident = decode_attention_resident_ctas(geo, kHeads, config, 0);
   if (!resident.ok()) check(resident.status());
-  return plan_decode_attention(g_batch, kKvHeads, max_keys, *resident);
+  const Result<int64_t> clusters = decode_attention_cluster_capacity(geo, kHeads, config, 0);
+  if (!clusters.ok()) check(clusters.status());
+  return choose_decode_attention_plan(g_batch, kKvHeads, max_keys, *resident, *clusters);
 }
 
 // True when no element of the [g_batch, kHeads, kHeadDim] fp32 output is NaN (or infinite).
@@ -144,24 +147,127 @@ struct QsaResult {
   Timing step_plain;  // step, cold, with plain launches (no programmatic dependent launch)
 };
 
+#ifdef E4KV_TIMELINE
+// One cold step per copy from its own one-step CUDA graph, the probes reset before each; prints
+// the median over the copies of every probe, in us after the score kernel's first entry.
+template <class F>
+void run_timeline(F&& step, int copies, const std::string& kv) {
+  unsigned long long* d_tl = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&d_tl, kTimelineWords * 8));
+  timeline_attach_scores(d_tl);
+  timeline_attach_top_k(d_tl);
+  timeline_attach_decode(d_tl);
+  std::vector<unsigned long long> init(kTimelineWords, 0ull);
+  for (int k = 0; k < kTimelineKernels; ++k) {
+    for (int e : {kTlEntryMin, kTlStartMin, kTlExitMin}) {
+      for (int i = 0; i < kTimelineSpread; ++i) {
+        init[size_t((k * kTimelineEvents + e) * kTimelineSpread + i)] = ~0ull;
+      }
+    }
+  }
+  cudaStream_t stream;
+  E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<cudaGraphExec_t> execs(copies);
+  for (int c = 0; c < copies; ++c) {
+    cudaGraph_t graph;
+    E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    step(stream, c);
+    E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    E4KV_CUDA_CHECK(cudaGraphInstantiate(&execs[c], graph, 0));
+    E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  constexpr int kKernels = 4;
+  const char* names[kKernels] = {"scores", "top-k", "decode", "merge"};
+  const char* events[5] = {"entry", "start_first", "start_last", "exit_first", "exit_last"};
+  std::vector<std::vector<double>> values(kKernels * 5 + kTimelinePhases);
+  std::vector<unsigned long long> host(kTimelineWords);
+  for (int round = 0; round < 3; ++round) {
+    for (int c = 0; c < copies; ++c) {
+      E4KV_CUDA_CHECK(
+          cudaMemcpyAsync(d_tl, init.data(), kTimelineWords * 8, cudaMemcpyHostToDevice, stream));
+      E4KV_CUDA_CHECK(cudaGraphLaunch(execs[c], stream));
+      E4KV_CUDA_CHECK(
+          cudaMemcpyAsync(host.data(), d_tl, kTimelineWords * 8, cudaMemcpyDeviceToHost, stream));
+      E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (round == 0) continue;  // the first round warms the graphs
+      auto reduce = [&](int k, int e) {
+        unsigned long long v = (e == kTlStartMax || e == kTlExitMax) ? 0ull : ~0ull;
+        for (int i = 0; i < kTimelineSpread; ++i) {
+          const unsigned long long x =
+              host[size_t((k * kTimelineEvents + e) * kTimelineSpread + i)];
+          v = (e == kTlStartMax || e == kTlExitMax) ? std::max(v, x) : std::min(v, x);
+        }
+        return v;
+      };
+      const unsigned long long t0 = reduce(kTlScores, kTlEntryMin);
+      for (int k = 0; k < kKernels; ++k) {
+        for (int e = 0; e < 5; ++e)
+          values[k * 5 + e].push_back((double(reduce(k, e)) - double(t0)) / 1e3);
+      }
+      const size_t phase0 = size_t(kTimelineKernels * kTimelineEvents * kTimelineSpread);
+      for (int i = 0; i < kTimelinePhases; ++i) {
+        values[kKernels * 5 + i].push_back((double(host[phase0 + i]) - double(t0)) / 1e3);
+      }
+    }
+  }
+  auto med = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf(
+      "timeline %s (median of %zu cold one-step graphs, us after the scores' first entry)\n",
+      kv.c_str(), values[0].size());
+  for (int k = 0; k < kKernels; ++k) {
+    std::printf("  %-7s", names[k]);
+    for (int e = 0; e < 5; ++e) std::printf(" %s %7.2f", events[e], med(values[k * 5 + e]));
+    std::printf("\n");
+  }
+  std::printf("  top-k phases (row 0, CTA 0):");
+  for (int i = 0; i < 11; ++i) std::printf(" %d:%.2f", i, med(values[kKernels * 5 + i]));
+  std::printf("\n  raw ns of one copy (resolution check):");
+  for (int e = 0; e < 5; ++e) std::printf(" %llu", (unsigned long long)(values[e].back() * 1e3));
+  std::printf("\n");
+  for (cudaGraphExec_t e : execs) E4KV_CUDA_CHECK(cudaGraphExecDestroy(e));
+  E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
+  unsigned long long* none = nullptr;
+  timeline_attach_scores(none);
+  timeline_attach_top_k(none);
+  timeline_attach_decode(none);
+  E4KV_CUDA_CHECK(cudaFree(d_tl));
+}
+#endif
+
 }  // namespace
 
-// Usage: e4kv_bench_qsa_decode [--batch N] [--exact-scores] [OUT.json | --profile]
+// Usage: e4kv_bench_qsa_decode [--batch N] [--exact-scores] [OUT.json | --profile | --timeline]
 // --batch N: N decode rows (1..64, default 4), each its own 128K sequence; the cold rotation's
 // copies adapt (more of them at small batches), dense decode reads N x 256 MB (FP16).
 // --exact-scores: the index scores from the exact FFMA kernel (QsaIndexScoresArgs::exact), for
 // the side-by-side against the tensor-core default.
+// --timeline (a build configured with -DE4KV_TIMELINE=ON): no timing; the last KV kind's cold step
+// from one-step CUDA graphs with the in-kernel probes (timeline.cuh), then the same with the top-k
+// run twice; prints when each kernel's CTAs entered, started (after griddepcontrol.wait) and
+// exited, and the top-k's phase marks.
 // --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
 // native where usable), for a profiler (with ncu filtering the step's four kernels,
 // --launch-skip 6 * copies skips the warm-up).
 int main(int argc, char** argv) {
   bool profile = false;
   bool exact_scores = false;
+  bool timeline = false;
   const char* json_path = "qsa_decode.json";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--profile") {
       profile = true;
+    } else if (arg == "--timeline") {
+#ifndef E4KV_TIMELINE
+      std::fprintf(stderr,
+                   "--timeline: this build has no timeline probes; configure with "
+                   "-DE4KV_TIMELINE=ON (the probes slow the kernels: time with a normal build)\n");
+      return 1;
+#endif
+      timeline = true;
     } else if (arg == "--exact-scores") {
       exact_scores = true;
     } else if (arg == "--batch" && i + 1 < argc) {
@@ -171,10 +277,10 @@ int main(int argc, char** argv) {
         return 1;
       }
     } else if (arg.rfind("--", 0) == 0) {
-      std::fprintf(
-          stderr,
-          "unknown option %s (usage: [--profile] [--batch N] [--exact-scores] [JSON path])\n",
-          arg.c_str());
+      std::fprintf(stderr,
+                   "unknown option %s (usage: [--profile | --timeline] [--batch N] "
+                   "[--exact-scores] [JSON path])\n",
+                   arg.c_str());
       return 1;
     } else {
       json_path = argv[i];
@@ -305,7 +411,7 @@ int main(int argc, char** argv) {
   const DecodeAttentionPlan dense_plan = plan_for(geo_f16, best, kPos + 1);
   Timing dense_time;
   Timing dense_plain;  // with plain launches
-  if (!profile) {
+  if (!profile && !timeline) {
     const DecodeAttentionWorkspace ws = make_workspace(dense_plan.n_splits);
     auto dense_step = [&](cudaStream_t stream, int) {
       check(paged_decode_attention(dense, dense_plan, ws, best, stream));
@@ -353,7 +459,7 @@ int main(int argc, char** argv) {
   if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}});
   Timing scores_time;
   Timing top_k_time;
-  if (!profile) {
+  if (!profile && !timeline) {
     scores_time = time_step(scores_step, copies);
     top_k_time = time_step(top_k_step, copies);
   } else {
@@ -391,6 +497,22 @@ int main(int argc, char** argv) {
       E4KV_CUDA_CHECK(cudaDeviceSynchronize());
       return output_finite(d_out) ? 0 : 1;
     }
+#ifdef E4KV_TIMELINE
+    if (timeline) {
+      run_timeline(qsa_step, copies, r.kv);
+      // The same with the top-k run twice: its phase marks are then the second run's (warm
+      // instruction cache, the scores in L2 either way).
+      run_timeline(
+          [&](cudaStream_t stream, int c) {
+            scores_step(stream, c);
+            top_k_step(stream, c);
+            top_k_step(stream, c);
+            attention_step(stream, c);
+          },
+          copies, r.kv + " (top-k twice)");
+      continue;
+    }
+#endif
     if (!output_finite(d_out)) {
       std::fprintf(stderr, "qsa %s: the attention output holds NaN or inf\n", r.kv.c_str());
       sane = false;
@@ -405,6 +527,7 @@ int main(int argc, char** argv) {
     E4KV_CUDA_CHECK(cudaFree(ws.m));
   }
 
+  if (timeline) return sane ? 0 : 1;
   std::printf(
       "shape: batch %lld, heads %lld / %lld kv, head_dim %lld, ctx %lld (pos %lld), block %lld; "
       "QSA budget %lld, index %lld x %lld, ratio %lld\n",

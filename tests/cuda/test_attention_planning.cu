@@ -79,6 +79,30 @@ TEST(DecodePlanning, SplitsCoverEveryKeyAndFillWholeWaves) {
   EXPECT_EQ(plan_decode_attention(1, 2, 20480, 264).n_splits, 216);
 }
 
+TEST(DecodeAttentionPlanning, ClusterMergePlan) {
+  // 64 splits; a QSA selection of budget + tail keeps budget / 64 keys per split (the last split
+  // takes the tail), other lengths round up to a multiple of 8 that covers every key.
+  struct Expect {
+    int64_t keys, keys_per_split;
+  };
+  for (const Expect& e : {Expect{2051, 32}, Expect{2048, 32}, Expect{2040, 32}, Expect{1500, 24},
+                          Expect{259, 8}, Expect{1, 8}, Expect{4096, 64}, Expect{4103, 64}}) {
+    const DecodeAttentionPlan p = plan_decode_attention_cluster(e.keys);
+    EXPECT_TRUE(p.merge_in_cluster) << e.keys;
+    EXPECT_EQ(p.n_splits, 64) << e.keys;
+    EXPECT_EQ(p.keys_per_split, e.keys_per_split) << e.keys;
+    // The last split takes every key past the first 63 splits: at most a tile more than them.
+    EXPECT_LE(e.keys - 63 * p.keys_per_split, p.keys_per_split + 8) << e.keys;
+  }
+  // The cluster merge where one wave of clusters holds every row and KV head and the keys are
+  // short; the split merged by a second kernel otherwise.
+  EXPECT_TRUE(choose_decode_attention_plan(4, 2, 2051, 264, 16).merge_in_cluster);
+  EXPECT_FALSE(choose_decode_attention_plan(16, 2, 2051, 264, 16).merge_in_cluster);
+  EXPECT_FALSE(choose_decode_attention_plan(4, 2, 2051, 264, 0).merge_in_cluster);
+  EXPECT_FALSE(choose_decode_attention_plan(1, 2, 20480, 264, 16).merge_in_cluster);
+  EXPECT_EQ(choose_decode_attention_plan(1, 2, 20480, 264, 16).n_splits, 216);
+}
+
 TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {
   // 128K context, budget 2048, ratio 4: 32768 groups -> 8 chunks x 512 candidates.
   EXPECT_EQ(qsa_top_k_workspace_bytes(4, 32768, 2048, 4), size_t(4 * 8 * 512 * 8));

@@ -159,5 +159,57 @@ TEST(DecodeAttentionCuda, BackToBackLaunchesShareTheWorkspace) {
   }
 }
 
+// The cluster merge (sm_90+; the split's partials combined through distributed shared memory, no
+// merge kernel) against the CPU reference: head_dim 128/256 x GQA {1,4,8} x FP16/E4M3 x
+// dense/QSA, on the sweep's mixed batch and on QSA selections of budget + tail (2048 + 3 keys,
+// where the last split takes the tail), gate applied.
+TEST(DecodeAttentionCuda, ClusterMergeMatchesCpuReference) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (compute_capability(0) < 90) GTEST_SKIP() << "the cluster merge needs sm_90+";
+  const bool native = decode_attention_native_e4m3_usable(0);
+  double worst = 0;
+  int runs = 0;
+  uint32_t seed = 500;
+  for (int head_dim : {128, 256}) {
+    for (int group : {1, 4, 8}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        if (variant == 2 && !native) continue;
+        for (bool qsa : {false, true}) {
+          const KvCacheDtype dtype = variant == 0 ? KvCacheDtype::kF16 : KvCacheDtype::kE4m3;
+          const Case c{head_dim, 2,   group,       (group + variant) % 2 == 0 ? 64 : 16,
+                       dtype,    qsa, variant == 2};
+          const DecodeAttentionConfig config{c.native, DecodeLoadPath::kAsyncCopy};
+          for (int set = 0; set < 2; ++set) {
+            AttentionData data;
+            if (set == 0) {
+              make_data(c, seed++, data);
+            } else {
+              // Rows of 2051 (pos + 1 = 3 mod 4), 2048 and 2051 (all keys, pos + 1 <= width) keys.
+              data.make(c, {5000, 3000}, {{0, 4998}, {1, 2999}, {1, 2050}, {0, 100}},
+                        /*selection_width=*/2051, seed++);
+            }
+            const Result<int64_t> capacity = decode_attention_cluster_capacity(
+                data.params.cache.geometry, c.group * 2, config, 0);
+            ASSERT_TRUE(capacity.ok()) << capacity.status().message();
+            ASSERT_GT(*capacity, 0) << describe(c);
+            DeviceAttentionData device(data);
+            const DecodeAttentionPlan plan = plan_decode_attention_cluster(data.max_keys);
+            const Status st = paged_decode_attention(device.params, plan,
+                                                     DecodeAttentionWorkspace{}, config, nullptr);
+            ASSERT_TRUE(st.ok()) << st.message();
+            E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+            const Comparison r = compare_outputs(device.out.to_host(), data.ref);
+            EXPECT_EQ(r.nan_count, 0) << describe(c) << " set " << set;
+            EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << " set " << set << " max abs " << r.max_abs;
+            worst = std::max(worst, r.rel_l2);
+            ++runs;
+          }
+        }
+      }
+    }
+  }
+  std::printf("[ info ] cluster merge: %d runs, worst relative L2 %.3g\n", runs, worst);
+}
+
 }  // namespace
 }  // namespace e4kv::cuda

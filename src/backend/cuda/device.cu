@@ -78,4 +78,17 @@ void set_programmatic_launch(bool enabled) {
   g_programmatic_launch.store(enabled, std::memory_order_relaxed);
 }
 
+namespace {
+std::atomic<bool> g_cluster_merge{true};
+}  // namespace
+
+bool cluster_merge_enabled() {
+  static const bool disabled = env_flag_set("E4KV_DISABLE_CLUSTER_MERGE");
+  return !disabled && g_cluster_merge.load(std::memory_order_relaxed);
+}
+
+void set_cluster_merge(bool enabled) {
+  g_cluster_merge.store(enabled, std::memory_order_relaxed);
+}
+
 }  // namespace e4kv::cuda

@@ -22,4 +22,10 @@ bool programmatic_launch_enabled();
 // measurements. Not meant to be flipped while other threads launch.
 void set_programmatic_launch(bool enabled);
 
+// True unless set_cluster_merge(false) or the environment variable E4KV_DISABLE_CLUSTER_MERGE
+// (read once) turned off decode attention's cluster merge (decode_attention_cluster_capacity
+// then reports 0, so the planners pick the split merged by a second kernel).
+bool cluster_merge_enabled();
+void set_cluster_merge(bool enabled);
+
 }  // namespace e4kv::cuda

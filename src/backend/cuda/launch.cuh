@@ -40,7 +40,8 @@ struct LaunchDims {
   dim3 grid;
   dim3 block;
   size_t smem_bytes = 0;
-  unsigned cluster_x = 1;  // CTAs per thread-block cluster (sm_90+); 1: no cluster
+  unsigned cluster_x = 1;  // CTAs per thread-block cluster along x and y (sm_90+); 1, 1: none
+  unsigned cluster_y = 1;
 };
 
 // Launches `kernel` on `stream`, as a programmatic dependent where programmatic_launch_enabled().
@@ -54,10 +55,10 @@ void launch_kernel(void (*kernel)(Params...), const LaunchDims& dims, cudaStream
   config.stream = stream;
   cudaLaunchAttribute attributes[2]{};
   unsigned n = 0;
-  if (dims.cluster_x > 1) {
+  if (dims.cluster_x > 1 || dims.cluster_y > 1) {
     attributes[n].id = cudaLaunchAttributeClusterDimension;
     attributes[n].val.clusterDim.x = dims.cluster_x;
-    attributes[n].val.clusterDim.y = 1;
+    attributes[n].val.clusterDim.y = dims.cluster_y;
     attributes[n].val.clusterDim.z = 1;
     ++n;
   }

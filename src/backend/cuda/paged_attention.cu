@@ -19,15 +19,18 @@ PagedAttentionRunner::~PagedAttentionRunner() {
   cudaFree(d_workspace_);
 }
 
-Result<int64_t> PagedAttentionRunner::resident_ctas(const KvCacheGeometry& geo, int64_t n_heads) {
+Result<PagedAttentionRunner::ResidentCtas> PagedAttentionRunner::resident_ctas(
+    const KvCacheGeometry& geo, int64_t n_heads) {
   const int64_t group = n_heads / std::max<int64_t>(geo.n_kv_heads, 1);
   for (const ResidentCtas& r : resident_) {
-    if (r.head_dim == geo.head_dim && r.group == group && r.dtype == geo.dtype) return r.ctas;
+    if (r.head_dim == geo.head_dim && r.group == group && r.dtype == geo.dtype) return r;
   }
   E4KV_ASSIGN_OR_RETURN(const int64_t ctas,
                         decode_attention_resident_ctas(geo, n_heads, decode_config_, device_));
-  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas});
-  return ctas;
+  E4KV_ASSIGN_OR_RETURN(const int64_t clusters,
+                        decode_attention_cluster_capacity(geo, n_heads, decode_config_, device_));
+  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas, clusters});
+  return resident_.back();
 }
 
 Status PagedAttentionRunner::run(const PagedAttentionParams& params,
@@ -87,10 +90,12 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params,
                                                              : params.rows.sel_width;
       max_keys = std::max(max_keys, keys);
     }
-    E4KV_ASSIGN_OR_RETURN(const int64_t resident, resident_ctas(geo, params.n_heads));
-    const DecodeAttentionPlan plan = plan_decode_attention(n, geo.n_kv_heads, max_keys, resident);
-    const size_t need =
-        decode_attention_workspace_floats(n, plan.n_splits, params.n_heads, geo.head_dim);
+    E4KV_ASSIGN_OR_RETURN(const ResidentCtas resident, resident_ctas(geo, params.n_heads));
+    const DecodeAttentionPlan plan =
+        choose_decode_attention_plan(n, geo.n_kv_heads, max_keys, resident.ctas, resident.clusters);
+    const size_t need = plan.merge_in_cluster ? 0
+                                              : decode_attention_workspace_floats(
+                                                    n, plan.n_splits, params.n_heads, geo.head_dim);
     if (need > d_workspace_floats_) {
       // note: cudaFree waits for the device, so growing the workspace never frees memory a
       // queued launch still uses.

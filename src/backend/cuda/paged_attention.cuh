@@ -39,16 +39,18 @@ class PagedAttentionRunner {
   const RoutePlan& last_plan() const { return plan_; }
 
  private:
-  // The decode kernel's resident CTAs (the planner's wave size) for a cache geometry and group.
-  Result<int64_t> resident_ctas(const KvCacheGeometry& geo, int64_t n_heads);
-
-  int device_ = 0;
-  DecodeAttentionConfig decode_config_;
+  // The decode kernel's resident CTAs (the planner's wave size) and the cluster merge's resident
+  // clusters (decode_attention_cluster_capacity) for a cache geometry and group.
   struct ResidentCtas {
     int64_t head_dim, group;
     KvCacheDtype dtype;
     int64_t ctas;
+    int64_t clusters;
   };
+  Result<ResidentCtas> resident_ctas(const KvCacheGeometry& geo, int64_t n_heads);
+
+  int device_ = 0;
+  DecodeAttentionConfig decode_config_;
   std::vector<ResidentCtas> resident_;  // memo of resident_ctas()
   std::vector<AttentionRouteLimits> routes_;
   RoutePlan plan_;

@@ -36,10 +36,14 @@
 #include <vector>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/cluster.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/e4m3_vec.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/timeline.cuh"
+
+E4KV_TIMELINE_UNIT(decode)
 
 namespace e4kv::cuda {
 namespace {
@@ -69,6 +73,10 @@ struct DecodeKernelParams {
   float* m;    // [n_rows, n_splits, n_heads] (base-2 logits)
   float* l;    // [n_rows, n_splits, n_heads]
   float* acc;  // [n_rows, n_splits, n_heads, head_dim]
+  // Cluster merge only (the kernel writes the output itself): as MergeKernelParams.
+  const uint16_t* gate;
+  float out_scale;
+  float* out;
 };
 
 struct MergeKernelParams {
@@ -164,7 +172,8 @@ __device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1)
 #endif
 
 // Every size the kernel and its launcher derive from the template arguments.
-template <int kHeadDim, int kEB, int kHeadTiles, bool kAsync>
+template <int kHeadDim, int kEB, int kHeadTiles, bool kAsync, int kWarps = kWarpsPerCta,
+          bool kClusterMerge = false>
 struct DecodeShape {
   // K: each thread loads kKElems contiguous dims of its token per load (always 16 bytes).
   static constexpr int kKElems = (16 / kEB) < (kHeadDim / 4) ? (16 / kEB) : (kHeadDim / 4);
@@ -203,16 +212,27 @@ struct DecodeShape {
   // Async path: after the loop the ring holds every warp's results for the CTA combine (m, l and
   // the O fragments of each lane, [warp][value][lane] fp32).
   static constexpr int kCombineValues = 4 + kHeadTiles * kMTiles * 4;
-  static constexpr int kCombineBytes = kWarpsPerCta * kCombineValues * 32 * 4;
-  static constexpr int kRingsBytes = kWarpsPerCta * kStages * kStageBytes;
+  static constexpr int kCombineBytes = kWarps * kCombineValues * 32 * 4;
+  static constexpr int kRingsBytes = kWarps * kStages * kStageBytes;
+  // Cluster merge: every CTA receives, from each of the cluster's kWarps CTAs, the O fragments of
+  // the m-tiles it merges (those of its rank: kMTiles / kWarps per lane, 4 values each) and each
+  // head's (m, l); kept apart from the ring, which a slower CTA may still use when they arrive.
+  static constexpr int kMergeTiles = kMTiles / kWarps;
+  static constexpr int kReceiveValues = kMergeTiles * 4;  // per lane and sender
+  static constexpr int kReceiveBytes =
+      kClusterMerge ? kWarps * (32 * kReceiveValues + 2 * 8) * 4 : 0;
+  static constexpr int kReceiveOffset = kRingsBytes > kCombineBytes ? kRingsBytes : kCombineBytes;
+  static constexpr int kBarrierOffset = kReceiveOffset + kReceiveBytes;  // its mbarrier
   static constexpr int kSmemBytes =
-      !kAsync ? 0 : (kRingsBytes > kCombineBytes ? kRingsBytes : kCombineBytes);
+      !kAsync ? 0 : kBarrierOffset + (kClusterMerge ? int(sizeof(uint64_t)) : 0);
   static constexpr bool kK16 = kAsync && E4KV_DECODE_MMA_K16;
   static_assert(kKWords == 4, "K fragments are loaded 16 bytes at a time");
   static_assert(kRowChunks >= 4 && kRowChunks <= 32 && 32 % kRowChunks == 0);
   static_assert(kIterTokens % (32 / kRowChunks) == 0);
   static_assert(!kAsync || 32 % kIterTokens == 0, "an iteration lies inside one 32-key window");
-  static_assert(kMTiles % kWarpsPerCta == 0, "the CTA combine gives each warp whole m-tiles");
+  static_assert(kMTiles % kWarps == 0, "the CTA combine gives each warp whole m-tiles");
+  static_assert(!kClusterMerge || (kAsync && kHeadTiles == 1 && kWarps <= 8),
+                "cluster merge: async path, groups of at most 8, clusters of at most 8 CTAs");
 
   // Shared-memory row swizzles (chunk index within a token's row). K is read as (token g,
   // chunk t + 4c) and V as (token 2t + b, chunk g + 8c): flipping bit 2 of the chunk on odd
@@ -233,11 +253,31 @@ struct DecodeShape {
 #ifndef E4KV_DECODE_ASYNC_MIN_CTAS
 #define E4KV_DECODE_ASYNC_MIN_CTAS 1
 #endif
-template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
-__global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
+template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync, int kWarps = kWarpsPerCta,
+          bool kClusterMerge = false>
+__global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
+  if (threadIdx.x == 0) E4KV_TL_MIN(kTlDecode, kTlEntryMin);
   enter_dependent_grid();
-  using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync>;
+  if (threadIdx.x == 0) {
+    E4KV_TL_MIN(kTlDecode, kTlStartMin);
+    E4KV_TL_MAX(kTlDecode, kTlStartMax);
+  }
+  using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync, kWarps, kClusterMerge>;
+  extern __shared__ __align__(16) uint8_t decode_smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Cluster merge: the receive barrier expects every CTA's bytes; the relaxed arrive here and the
+  // wait before the first send make its initialisation visible to the senders.
+  if constexpr (kClusterMerge) {
+    uint64_t* bar = reinterpret_cast<uint64_t*>(decode_smem + Shape::kBarrierOffset);
+    if (threadIdx.x == 0) {
+      mbarrier_init(bar);
+      mbarrier_expect(bar, uint32_t(Shape::kReceiveBytes));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_arrive_relaxed();
+  }
+#endif
   constexpr int kEB = Elem::kBytes;
   constexpr int kKElems = Shape::kKElems;
   constexpr int kKLoads = Shape::kKLoads;
@@ -259,7 +299,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   const int t = lane & 3;   // thread in group
   const int row = blockIdx.x / p.n_kv_heads;
   const int kv_head = blockIdx.x % p.n_kv_heads;
-  const int split = blockIdx.y * kWarpsPerCta + warp;  // < n_splits (a multiple of 4)
+  const int split = blockIdx.y * kWarps + warp;  // < n_splits (a multiple of kWarps)
 
   const int k_begin = split * p.keys_per_split;
   const int32_t* sel =
@@ -281,7 +321,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     }
   }
   const int n_keys = p.sel_tokens != nullptr ? p.sel_counts[row] : p.row_pos[row] + 1;
-  const int k_end = min(n_keys, k_begin + p.keys_per_split);
+  // Cluster merge: the row's last split also takes every key past the others (a selection of
+  // budget + tail keys: 64 splits of budget / 64 keys and the tail in the last).
+  const int k_end =
+      kClusterMerge && split == p.n_splits - 1 ? n_keys : min(n_keys, k_begin + p.keys_per_split);
   const int head0 = kv_head * p.group;
   const int seq = p.row_seq[row];
   const int32_t* table = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
@@ -406,7 +449,6 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   // Async path: the warp's ring of kStages stages; a stage is K rows [kIterTokens][kRowBytes]
   // then V rows, chunks swizzled. A lane copies one fixed chunk of every (32 / kRowChunks)-th
   // token, whose offset it takes from the window by shuffle (keys past k_end copy a valid token).
-  extern __shared__ __align__(16) uint8_t decode_smem[];
   uint8_t* ring = decode_smem + warp * (kStages * Shape::kStageBytes);
   const int64_t v_bytes_offset = int64_t(p.block_size) * row_bytes;  // K row -> V row of a slot
   auto issue_iteration = [&](int tile, uint8_t* stage, int first_lane) {
@@ -659,15 +701,15 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     }
     __syncthreads();
     // Factor of warp w's sums for S-row r (head g + 8r): 0 for an empty split or row.
-    float f[kWarpsPerCta][2];
+    float f[kWarps][2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float m_all = slot(0, r);
 #pragma unroll
-      for (int w = 1; w < kWarpsPerCta; ++w) m_all = fmaxf(m_all, slot(w, r));
+      for (int w = 1; w < kWarps; ++w) m_all = fmaxf(m_all, slot(w, r));
       l_run[r] = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kWarpsPerCta; ++w) {
+      for (int w = 0; w < kWarps; ++w) {
         const float m = slot(w, r);
         f[w][r] = m == -INFINITY ? 0.0f : exp2f(m - m_all);
         l_run[r] += f[w][r] * slot(w, 2 + r);
@@ -676,17 +718,17 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     }
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
-      float a0[kWarpsPerCta], a1[kWarpsPerCta];
+      float a0[kWarps], a1[kWarps];
 #pragma unroll
-      for (int w = 0; w < kWarpsPerCta; ++w) to_columns(f[w][r], t, a0[w], a1[w]);
+      for (int w = 0; w < kWarps; ++w) to_columns(f[w][r], t, a0[w], a1[w]);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        if (mt % kWarpsPerCta != warp) continue;
+        if (mt % kWarps != warp) continue;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float sum = 0.0f;
 #pragma unroll
-          for (int w = 0; w < kWarpsPerCta; ++w) {
+          for (int w = 0; w < kWarps; ++w) {
             sum += (i % 2 == 0 ? a0[w] : a1[w]) * slot(w, 4 + (r * kMTiles + mt) * 4 + i);
           }
           o[r][mt][i] = sum;
@@ -696,8 +738,73 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
     partial = blockIdx.y;
   }
 
-  const int64_t split_index =
-      int64_t(row) * (kAsync ? p.n_splits / kWarpsPerCta : p.n_splits) + partial;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kClusterMerge) {
+    // The cluster is the row and KV head's kWarps CTAs (rank = blockIdx.y). CTA j merges the
+    // m-tiles j + kWarps i, which warp j of every CTA holds after the CTA combine: each warp sends
+    // its fragments (and each head's m, l) to that CTA, which waits for all of them, then weighs
+    // each partial by exp2(m - max m), sums, divides by the weighted l and writes the output (the
+    // merge kernel's arithmetic).
+    constexpr int kValues = Shape::kReceiveValues;
+    float* received = reinterpret_cast<float*>(decode_smem + Shape::kReceiveOffset);
+    float* received_ml = received + kWarps * 32 * kValues;  // [sender][head (8)][m, l]
+    uint64_t* bar = reinterpret_cast<uint64_t*>(decode_smem + Shape::kBarrierOffset);
+    const uint32_t rank = cluster_rank();
+    cluster_wait();
+    float* to = received + (rank * 32 + lane) * kValues;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      if (mt % kWarps != warp) continue;  // another warp's m-tile
+      send_async4(to + 4 * (mt / kWarps), uint32_t(warp), o[0][mt][0], o[0][mt][1], o[0][mt][2],
+                  o[0][mt][3], bar);
+    }
+    if (t == 0) {
+      send_async(received_ml + (rank * 8 + g) * 2, uint32_t(warp), __float_as_uint(m_run[0]),
+                 __float_as_uint(l_run[0]), bar);
+    }
+    mbarrier_wait(bar, 0u);
+    for (int e = int(threadIdx.x); e < 32 * kValues; e += kWarps * 32) {
+      const int src = e % 32;  // the sending lane: (g, t) of the fragment
+      const int v = e / 32;
+      const int c = v % 4;
+      const int mt = int(rank) + kWarps * (v / 4);
+      const int head = 2 * (src % 4) + c % 2;
+      if (head >= p.group) continue;
+      const int j = 2 * mt;
+      const int dim = kVElems * (src / 4 + 8 * (j / kVElems)) + j % kVElems + c / 2;
+      float m_max = -INFINITY;
+#pragma unroll
+      for (int s = 0; s < kWarps; ++s) m_max = fmaxf(m_max, received_ml[(s * 8 + head) * 2]);
+      float acc = 0.0f;
+      float l_sum = 0.0f;
+      if (m_max != -INFINITY) {
+#pragma unroll
+        for (int s = 0; s < kWarps; ++s) {
+          const float m = received_ml[(s * 8 + head) * 2];
+          const float w = m == -INFINITY ? 0.0f : exp2f(m - m_max);
+          l_sum += w * received_ml[(s * 8 + head) * 2 + 1];
+          acc += w * received[(s * 32 + src) * kValues + v];
+        }
+      }
+      const int64_t out_index = (int64_t(row) * p.n_heads + head0 + head) * kHeadDim + dim;
+      float out = l_sum > 0.0f ? acc * p.out_scale / l_sum : 0.0f;
+      if (p.gate != nullptr) {
+        __half_raw raw;
+        raw.x = p.gate[out_index];
+        const float gate = __half2float(__half(raw));
+        out *= 1.0f / (1.0f + expf(-gate));
+      }
+      p.out[out_index] = out;
+    }
+    if (lane == 0) {
+      E4KV_TL_MIN(kTlDecode, kTlExitMin);
+      E4KV_TL_MAX(kTlDecode, kTlExitMax);
+    }
+    return;
+  }
+#endif
+
+  const int64_t split_index = int64_t(row) * (kAsync ? p.n_splits / kWarps : p.n_splits) + partial;
   if (t == 0 && (!kAsync || warp == 0)) {
 #pragma unroll
     for (int r = 0; r < kHeadTiles; ++r) {
@@ -712,7 +819,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
   for (int r = 0; r < kHeadTiles; ++r) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      if (kAsync && mt % kWarpsPerCta != warp) continue;  // another warp's m-tile
+      if (kAsync && mt % kWarps != warp) continue;  // another warp's m-tile
       const int c = (2 * mt) / kVElems;
       const int e = (2 * mt) % kVElems;
       const int dim = kVElems * (g + 8 * c) + e;
@@ -725,6 +832,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kAsync ? E4KV_DECODE_ASYNC_
         }
       }
     }
+  }
+  if (lane == 0) {
+    E4KV_TL_MIN(kTlDecode, kTlExitMin);
+    E4KV_TL_MAX(kTlDecode, kTlExitMax);
   }
 }
 
@@ -753,7 +864,12 @@ constexpr int kMergeWarps = 8;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     decode_attention_merge_kernel(const __grid_constant__ MergeKernelParams p, int head_dim) {
+  if (threadIdx.x == 0) E4KV_TL_MIN(kTlMerge, kTlEntryMin);
   enter_dependent_grid();
+  if (threadIdx.x == 0) {
+    E4KV_TL_MIN(kTlMerge, kTlStartMin);
+    E4KV_TL_MAX(kTlMerge, kTlStartMax);
+  }
   __shared__ float warp_max[kMergeWarps];
   __shared__ float warp_l[kMergeWarps];
   __shared__ float warp_acc[kMergeWarps][32];
@@ -809,6 +925,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
     out *= 1.0f / (1.0f + expf(-gate));
   }
   p.out[out_index] = out;
+  if (lane == 0) {
+    E4KV_TL_MIN(kTlMerge, kTlExitMin);
+    E4KV_TL_MAX(kTlMerge, kTlExitMax);
+  }
 }
 
 // One compiled instance of the decode kernel and the dynamic shared memory it takes.
@@ -841,6 +961,30 @@ DecodeInstance select_for_dim(int64_t head_dim, int group, bool async) {
     default:
       return select_for<256, Elem>(group, async);
   }
+}
+
+// The cluster-merge instance (async path, one head tile, kDecodeClusterCtas warps per CTA), for
+// head_dim 128 or 256 (whole m-tiles per warp); kernel nullptr for head_dim 64.
+template <int kHeadDim, class Elem>
+DecodeInstance cluster_instance_for() {
+  constexpr int kWarps = int(kDecodeClusterCtas);
+  return DecodeInstance{&paged_decode_attention_kernel<kHeadDim, Elem, 1, true, kWarps, true>,
+                        DecodeShape<kHeadDim, Elem::kBytes, 1, true, kWarps, true>::kSmemBytes};
+}
+template <class Elem>
+DecodeInstance cluster_instance_for_dim(int64_t head_dim) {
+  if (head_dim == 128) return cluster_instance_for<128, Elem>();
+  if (head_dim == 256) return cluster_instance_for<256, Elem>();
+  return DecodeInstance{};
+}
+DecodeInstance select_cluster_instance(int64_t head_dim, int group, KvCacheDtype dtype,
+                                       const DecodeAttentionConfig& config) {
+  if (group > 8 || config.load != DecodeLoadPath::kAsyncCopy) return DecodeInstance{};
+  if (dtype != KvCacheDtype::kE4m3) return cluster_instance_for_dim<ElemF16>(head_dim);
+  if (config.native_e4m3) {
+    return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim);
+  }
+  return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim);
 }
 
 // The instance for a validated shape (head_dim 64/128/256, group 1-16).
@@ -920,6 +1064,59 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
   return int64_t(std::max(per_sm, 1)) * n_sms;
 }
 
+Result<int64_t> decode_attention_cluster_capacity(const KvCacheGeometry& geo, int64_t n_heads,
+                                                  const DecodeAttentionConfig& config, int device) {
+  E4KV_RETURN_IF_ERROR(check_shape(geo, n_heads));
+  if (!cluster_merge_enabled() || compute_capability(device) < 90) return int64_t(0);
+  const DecodeInstance inst =
+      select_cluster_instance(geo.head_dim, int(n_heads / geo.n_kv_heads), geo.dtype, config);
+  if (inst.kernel == nullptr) return int64_t(0);
+  cudaFuncAttributes attr{};
+  E4KV_CUDA_CHECK(cudaFuncGetAttributes(&attr, inst.kernel));
+  if (attr.binaryVersion < 90) return int64_t(0);  // no sm_90 code in this build
+  int saved = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&saved));
+  E4KV_CUDA_CHECK(cudaSetDevice(device));
+  allow_shared_memory(inst);
+  cudaLaunchConfig_t lc{};
+  lc.gridDim = dim3(1, unsigned(kDecodeClusterCtas));
+  lc.blockDim = dim3(unsigned(kDecodeClusterCtas * 32));
+  lc.dynamicSmemBytes = size_t(inst.smem_bytes);
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = unsigned(kDecodeClusterCtas);
+  cluster.val.clusterDim.z = 1;
+  lc.attrs = &cluster;
+  lc.numAttrs = 1;
+  int clusters = 0;
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, inst.kernel, &lc));
+  E4KV_CUDA_CHECK(cudaSetDevice(saved));
+  return int64_t(clusters);
+}
+
+DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys) {
+  constexpr int64_t kSplits = kDecodeClusterCtas * kDecodeClusterCtas;
+  const int64_t keys = std::max<int64_t>(1, max_keys);
+  const int64_t floor8 = keys / kSplits / kTileTokens * kTileTokens;
+  const int64_t ceil8 =
+      ((keys + kSplits - 1) / kSplits + kTileTokens - 1) / kTileTokens * kTileTokens;
+  // The last split's keys with the floor: within a tile of the others'.
+  const bool floor_fits = floor8 > 0 && keys - (kSplits - 1) * floor8 <= floor8 + kTileTokens;
+  DecodeAttentionPlan plan{floor_fits ? floor8 : ceil8, kSplits};
+  plan.merge_in_cluster = true;
+  return plan;
+}
+
+DecodeAttentionPlan choose_decode_attention_plan(int64_t n_rows, int64_t n_kv_heads,
+                                                 int64_t max_keys, int64_t resident_ctas,
+                                                 int64_t cluster_capacity) {
+  if (max_keys <= kDecodeClusterMaxKeys && n_rows * n_kv_heads <= cluster_capacity) {
+    return plan_decode_attention_cluster(max_keys);
+  }
+  return plan_decode_attention(n_rows, n_kv_heads, max_keys, resident_ctas);
+}
+
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas) {
   // Every split count (a multiple of the 4 warps of a CTA, at least 16 keys per warp) is costed
@@ -963,11 +1160,26 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   const int64_t n_rows = params.rows.n_rows;
   E4KV_RETURN_IF_ERROR(check_shape(geo, params.n_heads));
   if (plan.keys_per_split <= 0 || plan.keys_per_split % kTileTokens != 0 || plan.n_splits <= 0 ||
-      plan.n_splits % kWarpsPerCta != 0) {
+      plan.n_splits % kWarpsPerCta != 0 ||
+      (plan.merge_in_cluster && plan.n_splits != kDecodeClusterCtas * kDecodeClusterCtas)) {
     return Status::error("decode attention: bad plan");
   }
-  if (n_rows > workspace.max_rows || plan.n_splits > workspace.max_splits ||
-      params.n_heads > workspace.n_heads || geo.head_dim > workspace.head_dim) {
+  DecodeInstance cluster_inst;
+  if (plan.merge_in_cluster) {
+    int device = 0;
+    E4KV_CUDA_CHECK(cudaGetDevice(&device));
+    cluster_inst = select_cluster_instance(geo.head_dim, int(params.n_heads / geo.n_kv_heads),
+                                           geo.dtype, config);
+    const Result<int64_t> capacity =
+        decode_attention_cluster_capacity(geo, params.n_heads, config, device);
+    if (cluster_inst.kernel == nullptr || !capacity.ok() || *capacity == 0) {
+      return Status::error(
+          "decode attention: a cluster-merge plan for a shape, config or device without the "
+          "cluster-merge kernel (decode_attention_cluster_capacity is 0): plan with "
+          "plan_decode_attention");
+    }
+  } else if (n_rows > workspace.max_rows || plan.n_splits > workspace.max_splits ||
+             params.n_heads > workspace.n_heads || geo.head_dim > workspace.head_dim) {
     return Status::error("decode attention: workspace too small for this launch");
   }
   if (reinterpret_cast<uintptr_t>(params.q) % 16 != 0) {
@@ -1006,6 +1218,18 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   kp.m = workspace.m;
   kp.l = workspace.l;
   kp.acc = workspace.acc;
+  kp.gate = params.gate;
+  kp.out_scale = params.cache.v_scale * factor;
+  kp.out = params.out;
+
+  if (plan.merge_in_cluster) {
+    allow_shared_memory(cluster_inst);
+    LaunchDims dims{dim3(unsigned(n_rows * geo.n_kv_heads), unsigned(kDecodeClusterCtas)),
+                    dim3(unsigned(kDecodeClusterCtas * 32)), size_t(cluster_inst.smem_bytes)};
+    dims.cluster_y = unsigned(kDecodeClusterCtas);
+    launch_kernel(cluster_inst.kernel, dims, stream, kp);
+    return Status();
+  }
 
   const DecodeInstance inst = select_instance(geo.head_dim, group, geo.dtype, config);
   allow_shared_memory(inst);

@@ -44,8 +44,12 @@
 #include <mutex>
 #include <vector>
 
+#include "backend/cuda/cluster.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/timeline.cuh"
+
+E4KV_TIMELINE_UNIT(top_k)
 
 namespace e4kv::cuda {
 namespace {
@@ -669,12 +673,17 @@ __device__ __forceinline__ void block_exclusive_scan2(uint32_t& a, uint32_t& b,
 // scan of their popcounts gives the rank of its first group; each selected group's ratio tokens go
 // to out at its rank, ties at T taken from the lowest index (the first `ties` equal groups of the
 // row). Contains block barriers: every thread of the block (kThreads) must call it.
+// staging (shared memory, uniform): when it holds k * ratio ints, the tokens are put there at
+// their ranks first and then written to out by the whole block at once, rather than by each
+// thread for its own groups one store after another.
 template <int kThreads = kFilterThreads>
 __device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
                                                   const uint32_t* equal_bits, int32_t n_words,
                                                   int32_t group_base, uint32_t above_base,
                                                   uint32_t equal_base, uint32_t ties, int32_t ratio,
-                                                  uint2* warp_totals, int32_t* out) {
+                                                  uint2* warp_totals, int32_t* out,
+                                                  int32_t* staging = nullptr) {
+  __shared__ uint32_t staged_end;
   const int tid = threadIdx.x;
   const int32_t words_per_thread = (n_words + kThreads - 1) / kThreads;
   const int32_t w_begin = tid * words_per_thread;
@@ -689,6 +698,9 @@ __device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
   above_before += above_base;
   equal_before += equal_base;
   uint32_t slot = above_before + (equal_before < ties ? equal_before : ties);
+  const uint32_t first_slot = above_base + (equal_base < ties ? equal_base : ties);
+  int32_t* dst = staging != nullptr ? staging - int32_t(first_slot) * ratio : out;
+  if (staging != nullptr && tid == 0) staged_end = first_slot;
   for (int32_t w = w_begin; w < w_end; ++w) {
     const uint32_t equal = equal_bits[w];
     uint32_t taken = 0u;
@@ -707,10 +719,17 @@ __device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
       const int bit = __ffs(chosen) - 1;
       chosen &= chosen - 1u;
       const int32_t group = group_base + w * 32 + bit;
-      for (int32_t i = 0; i < ratio; ++i) out[int32_t(slot) * ratio + i] = group * ratio + i;
+      for (int32_t i = 0; i < ratio; ++i) dst[int32_t(slot) * ratio + i] = group * ratio + i;
       ++slot;
     }
   }
+  if (staging == nullptr) return;
+  __syncthreads();  // staged_end initialised
+  if (w_end > w_begin) atomicMax(&staged_end, slot);
+  __syncthreads();
+  const int32_t n = int32_t(staged_end - first_slot) * ratio;
+  int32_t* out_first = out + int32_t(first_slot) * ratio;
+  for (int32_t j = tid; j < n; j += kThreads) out_first[j] = staging[j];
 }
 
 // kRunsPerThread: the most runs a thread owns (rows up to kFilterThreads * kRunsPerThread * kRun
@@ -920,6 +939,9 @@ __global__ void __launch_bounds__(kFilterThreads)
 // More than kClusterCandidates candidates (heavy ties at L, or L = 0 on long rows): every CTA runs
 // the filtered kernel's streaming select over the whole row and streams its slice and the groups
 // before it (same results, slower).
+#ifndef E4KV_TOPK_STAGING
+#define E4KV_TOPK_STAGING 1
+#endif
 constexpr int kClusterCtas = 8;
 constexpr int kClusterThreads = 512;
 constexpr int kClusterWarps = kClusterThreads / 32;
@@ -943,70 +965,18 @@ static_assert(kClusterMaxSliceRuns <= kClusterCandidates);
 static_assert(kClusterThreads >= kBins && kClusterWarps >= kBoundWarps);
 static_assert(kClusterWarps * 32 * kClusterShortSlots * kRun * kClusterCtas == 32768);
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // cluster instructions: sm_90+
-// Cluster barrier halves without a memory fence: the data the CTAs exchange travels by st.async
-// into the receiver's shared memory and is tracked by the receiver's mbarrier, so no barrier has
-// to publish it (a release arrive costs a GPU-scope MEMBAR: ncu put about 1.5K cycles on each).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-__device__ __forceinline__ uint32_t shared_address(const void* local) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(local));
-}
-// The shared::cluster address of `local` (a shared-memory variable of this CTA) in CTA `rank`.
-__device__ __forceinline__ uint32_t peer_address(const void* local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-               : "=r"(remote)
-               : "r"(shared_address(local)), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(bar)) : "memory");
-}
-// The single arrival of the barrier's phase, announcing `bytes` of st.async data (which may have
-// landed already: the transaction count may go below zero meanwhile).
-__device__ __forceinline__ void mbarrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile(
-      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
-      "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0u;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0u);
-}
-// 8 bytes into CTA `rank`'s shared memory at `local`'s place, counted by its `bar`.
-__device__ __forceinline__ void send_async(const void* local, uint32_t rank, uint32_t a, uint32_t b,
-                                           uint64_t* bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.u32 [%0], {%1, %2}, [%3];\n" ::"r"(
-          peer_address(local, rank)),
-      "r"(a), "r"(b), "r"(peer_address(bar, rank))
-      : "memory");
-}
-#endif
-
 template <int kSlots>
 __global__ void __launch_bounds__(kClusterThreads)
     qsa_top_k_cluster_kernel(const __grid_constant__ FilterKernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) E4KV_TL_MIN(kTlTopK, kTlEntryMin);
   enter_dependent_grid();
+  const bool marker = blockIdx.x == 0 && threadIdx.x == 0;
+  if (threadIdx.x == 0) {
+    E4KV_TL_MIN(kTlTopK, kTlStartMin);
+    E4KV_TL_MAX(kTlTopK, kTlStartMax);
+  }
+  if (marker) E4KV_TL_PHASE(0);
   constexpr int kBoundSlots = 4 * kSlots;  // a bound warp's runs per lane: 4 rpw / 32
   extern __shared__ __align__(16) uint32_t cluster_smem[];
   uint32_t* own_keys = cluster_smem;
@@ -1130,7 +1100,9 @@ __global__ void __launch_bounds__(kClusterThreads)
       }
       if (lane < kClusterCtas) send_async(&sent_bounds[rank], uint32_t(lane), b, t, &bars[0]);
     }
+    if (marker) E4KV_TL_PHASE(1);
     mbarrier_wait(&bars[0], 0u);
+    if (marker) E4KV_TL_PHASE(2);
     uint32_t floor_key = ~0u;
     uint32_t top_key = 0u;
     if (lane < kClusterCtas) {
@@ -1163,6 +1135,7 @@ __global__ void __launch_bounds__(kClusterThreads)
           own_keys, own_groups, uint32_t(kClusterCandidates));
     }
     __syncthreads();
+    if (marker) E4KV_TL_PHASE(3);
     const uint32_t n_own = n_own_s;
     if (warp == 0 && lane < kClusterCtas) {
       send_async(&sent_counts[rank], uint32_t(lane), n_own, 0u, &bars[1]);
@@ -1185,8 +1158,10 @@ __global__ void __launch_bounds__(kClusterThreads)
           send_async(&all_pairs[own_offset + i], c, key, group, &bars[2]);
         }
       }
+      if (marker) E4KV_TL_PHASE(4);
       mbarrier_wait(&bars[2], 0u);
     }
+    if (marker) E4KV_TL_PHASE(5);
     // Everything sent to this CTA has landed; the exit waits until that holds for every CTA (a
     // CTA's shared memory must outlive the sends into it).
     cluster_arrive_relaxed();
@@ -1283,6 +1258,7 @@ __global__ void __launch_bounds__(kClusterThreads)
           uint32_t(p.k), 0, sel, threshold, ties);
     }
 
+    if (marker) E4KV_TL_PHASE(6);
     // 4. Base ranks from the earlier slices, the slice's bitmaps, emission.
     uint32_t above = 0u;
     uint32_t equal = 0u;
@@ -1331,13 +1307,31 @@ __global__ void __launch_bounds__(kClusterThreads)
       }
     }
     __syncthreads();
+    if (marker) E4KV_TL_PHASE(7);
+    // The histogram's room (kClusterBins words) stages the slice's tokens when k * ratio fit.
     emit_from_bitmaps<kClusterThreads>(above_bits, equal_bits, n_words, slice_group_begin,
-                                       base_s[0], base_s[1], ties, ratio, warp_totals, out);
+                                       base_s[0], base_s[1], ties, ratio, warp_totals, out,
+                                       E4KV_TOPK_STAGING && p.k * ratio <= kClusterBins
+                                           ? reinterpret_cast<int32_t*>(hist)
+                                           : nullptr);
+    if (marker) E4KV_TL_PHASE(8);
     cluster_wait();
-    if (rank != 0) return;
+    if (marker) E4KV_TL_PHASE(9);
+    if (rank != 0) {
+      if (threadIdx.x == 0) {
+        E4KV_TL_MIN(kTlTopK, kTlExitMin);
+        E4KV_TL_MAX(kTlTopK, kTlExitMax);
+      }
+      return;
+    }
   }
 
   write_tail<kClusterThreads>(p, row, rg, n_groups, out);  // the first CTA of the cluster
+  if (marker) E4KV_TL_PHASE(10);
+  if (threadIdx.x == 0) {
+    E4KV_TL_MIN(kTlTopK, kTlExitMin);
+    E4KV_TL_MAX(kTlTopK, kTlExitMax);
+  }
 #endif
 }
 
