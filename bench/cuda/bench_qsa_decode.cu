@@ -126,9 +126,9 @@ DecodeAttentionPlan plan_for(const KvCacheGeometry& geo, const DecodeAttentionCo
                              int64_t max_keys) {
   const Result<int64_t> resident = decode_attention_resident_ctas(geo, kHeads, config, 0);
   if (!resident.ok()) check(resident.status());
-  const Result<int64_t> clusters = decode_attention_cluster_capacity(geo, kHeads, config, 0);
-  if (!clusters.ok()) check(clusters.status());
-  return choose_decode_attention_plan(g_batch, kKvHeads, max_keys, *resident, *clusters);
+  const Result<DecodeClusterMerge> cluster = decode_attention_cluster_merge(geo, kHeads, config, 0);
+  if (!cluster.ok()) check(cluster.status());
+  return choose_decode_attention_plan(g_batch, kKvHeads, max_keys, *resident, *cluster);
 }
 
 // True when no element of the [g_batch, kHeads, kHeadDim] fp32 output is NaN (or infinite).

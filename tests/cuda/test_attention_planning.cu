@@ -87,7 +87,7 @@ TEST(DecodeAttentionPlanning, ClusterMergePlan) {
   };
   for (const Expect& e : {Expect{2051, 32}, Expect{2048, 32}, Expect{2040, 32}, Expect{1500, 24},
                           Expect{259, 8}, Expect{1, 8}, Expect{4096, 64}, Expect{4103, 64}}) {
-    const DecodeAttentionPlan p = plan_decode_attention_cluster(e.keys);
+    const DecodeAttentionPlan p = plan_decode_attention_cluster(e.keys, 64);
     EXPECT_TRUE(p.merge_in_cluster) << e.keys;
     EXPECT_EQ(p.n_splits, 64) << e.keys;
     EXPECT_EQ(p.keys_per_split, e.keys_per_split) << e.keys;
@@ -96,11 +96,16 @@ TEST(DecodeAttentionPlanning, ClusterMergePlan) {
   }
   // The cluster merge where one wave of clusters holds every row and KV head and the keys are
   // short; the split merged by a second kernel otherwise.
-  EXPECT_TRUE(choose_decode_attention_plan(4, 2, 2051, 264, 16).merge_in_cluster);
-  EXPECT_FALSE(choose_decode_attention_plan(16, 2, 2051, 264, 16).merge_in_cluster);
-  EXPECT_FALSE(choose_decode_attention_plan(4, 2, 2051, 264, 0).merge_in_cluster);
-  EXPECT_FALSE(choose_decode_attention_plan(1, 2, 20480, 264, 16).merge_in_cluster);
-  EXPECT_EQ(choose_decode_attention_plan(1, 2, 20480, 264, 16).n_splits, 216);
+  // 128 splits (clusters of 16 CTAs): 16 keys each, the last 19.
+  EXPECT_EQ(plan_decode_attention_cluster(2051, 128).keys_per_split, 16);
+  const DecodeClusterMerge merge{16, 64};
+  EXPECT_TRUE(choose_decode_attention_plan(4, 2, 2051, 264, merge).merge_in_cluster);
+  EXPECT_EQ(choose_decode_attention_plan(4, 2, 2051, 264, merge).n_splits, 64);
+  EXPECT_FALSE(choose_decode_attention_plan(16, 2, 2051, 264, merge).merge_in_cluster);
+  EXPECT_FALSE(
+      choose_decode_attention_plan(4, 2, 2051, 264, DecodeClusterMerge{}).merge_in_cluster);
+  EXPECT_FALSE(choose_decode_attention_plan(1, 2, 20480, 264, merge).merge_in_cluster);
+  EXPECT_EQ(choose_decode_attention_plan(1, 2, 20480, 264, merge).n_splits, 216);
 }
 
 TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {

@@ -188,12 +188,13 @@ TEST(DecodeAttentionCuda, ClusterMergeMatchesCpuReference) {
               data.make(c, {5000, 3000}, {{0, 4998}, {1, 2999}, {1, 2050}, {0, 100}},
                         /*selection_width=*/2051, seed++);
             }
-            const Result<int64_t> capacity = decode_attention_cluster_capacity(
-                data.params.cache.geometry, c.group * 2, config, 0);
-            ASSERT_TRUE(capacity.ok()) << capacity.status().message();
-            ASSERT_GT(*capacity, 0) << describe(c);
+            const Result<DecodeClusterMerge> merge =
+                decode_attention_cluster_merge(data.params.cache.geometry, c.group * 2, config, 0);
+            ASSERT_TRUE(merge.ok()) << merge.status().message();
+            ASSERT_GT(merge->clusters, 0) << describe(c);
             DeviceAttentionData device(data);
-            const DecodeAttentionPlan plan = plan_decode_attention_cluster(data.max_keys);
+            const DecodeAttentionPlan plan =
+                plan_decode_attention_cluster(data.max_keys, merge->splits);
             const Status st = paged_decode_attention(device.params, plan,
                                                      DecodeAttentionWorkspace{}, config, nullptr);
             ASSERT_TRUE(st.ok()) << st.message();

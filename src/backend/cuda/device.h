@@ -23,8 +23,8 @@ bool programmatic_launch_enabled();
 void set_programmatic_launch(bool enabled);
 
 // True unless set_cluster_merge(false) or the environment variable E4KV_DISABLE_CLUSTER_MERGE
-// (read once) turned off decode attention's cluster merge (decode_attention_cluster_capacity
-// then reports 0, so the planners pick the split merged by a second kernel).
+// (read once) turned off decode attention's cluster merge (decode_attention_cluster_merge
+// then reports none, so the planners pick the split merged by a second kernel).
 bool cluster_merge_enabled();
 void set_cluster_merge(bool enabled);
 

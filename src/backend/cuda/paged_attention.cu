@@ -27,9 +27,9 @@ Result<PagedAttentionRunner::ResidentCtas> PagedAttentionRunner::resident_ctas(
   }
   E4KV_ASSIGN_OR_RETURN(const int64_t ctas,
                         decode_attention_resident_ctas(geo, n_heads, decode_config_, device_));
-  E4KV_ASSIGN_OR_RETURN(const int64_t clusters,
-                        decode_attention_cluster_capacity(geo, n_heads, decode_config_, device_));
-  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas, clusters});
+  E4KV_ASSIGN_OR_RETURN(const DecodeClusterMerge cluster,
+                        decode_attention_cluster_merge(geo, n_heads, decode_config_, device_));
+  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas, cluster});
   return resident_.back();
 }
 
@@ -92,7 +92,7 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params,
     }
     E4KV_ASSIGN_OR_RETURN(const ResidentCtas resident, resident_ctas(geo, params.n_heads));
     const DecodeAttentionPlan plan =
-        choose_decode_attention_plan(n, geo.n_kv_heads, max_keys, resident.ctas, resident.clusters);
+        choose_decode_attention_plan(n, geo.n_kv_heads, max_keys, resident.ctas, resident.cluster);
     const size_t need = plan.merge_in_cluster ? 0
                                               : decode_attention_workspace_floats(
                                                     n, plan.n_splits, params.n_heads, geo.head_dim);

@@ -40,12 +40,12 @@ class PagedAttentionRunner {
 
  private:
   // The decode kernel's resident CTAs (the planner's wave size) and the cluster merge's resident
-  // clusters (decode_attention_cluster_capacity) for a cache geometry and group.
+  // clusters (decode_attention_cluster_merge) for a cache geometry and group.
   struct ResidentCtas {
     int64_t head_dim, group;
     KvCacheDtype dtype;
     int64_t ctas;
-    int64_t clusters;
+    DecodeClusterMerge cluster;
   };
   Result<ResidentCtas> resident_ctas(const KvCacheGeometry& geo, int64_t n_heads);
 

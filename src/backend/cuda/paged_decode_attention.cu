@@ -173,8 +173,9 @@ __device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1)
 
 // Every size the kernel and its launcher derive from the template arguments.
 template <int kHeadDim, int kEB, int kHeadTiles, bool kAsync, int kWarps = kWarpsPerCta,
-          bool kClusterMerge = false>
+          int kCluster = 0>
 struct DecodeShape {
+  static constexpr bool kClusterMerge = kCluster > 0;  // CTAs per cluster, 0: no cluster merge
   // K: each thread loads kKElems contiguous dims of its token per load (always 16 bytes).
   static constexpr int kKElems = (16 / kEB) < (kHeadDim / 4) ? (16 / kEB) : (kHeadDim / 4);
   static constexpr int kKLoads = kHeadDim / (4 * kKElems);
@@ -214,13 +215,14 @@ struct DecodeShape {
   static constexpr int kCombineValues = 4 + kHeadTiles * kMTiles * 4;
   static constexpr int kCombineBytes = kWarps * kCombineValues * 32 * 4;
   static constexpr int kRingsBytes = kWarps * kStages * kStageBytes;
-  // Cluster merge: every CTA receives, from each of the cluster's kWarps CTAs, the O fragments of
-  // the m-tiles it merges (those of its rank: kMTiles / kWarps per lane, 4 values each) and each
-  // head's (m, l); kept apart from the ring, which a slower CTA may still use when they arrive.
-  static constexpr int kMergeTiles = kMTiles / kWarps;
+  // Cluster merge: CTA j of the cluster merges the m-tiles j + kCluster i; it receives them from
+  // each of the cluster's CTAs (kMTiles / kCluster per lane, 4 values each) with each head's
+  // (m, l), into memory apart from the ring, which a slower CTA may still use when they arrive.
+  static constexpr int kClusterDivisor = kClusterMerge ? kCluster : 1;
+  static constexpr int kMergeTiles = kClusterMerge ? kMTiles / kClusterDivisor : 1;
   static constexpr int kReceiveValues = kMergeTiles * 4;  // per lane and sender
   static constexpr int kReceiveBytes =
-      kClusterMerge ? kWarps * (32 * kReceiveValues + 2 * 8) * 4 : 0;
+      kClusterMerge ? kCluster * (32 * kReceiveValues + 2 * 8) * 4 : 0;
   static constexpr int kReceiveOffset = kRingsBytes > kCombineBytes ? kRingsBytes : kCombineBytes;
   static constexpr int kBarrierOffset = kReceiveOffset + kReceiveBytes;  // its mbarrier
   static constexpr int kSmemBytes =
@@ -231,8 +233,9 @@ struct DecodeShape {
   static_assert(kIterTokens % (32 / kRowChunks) == 0);
   static_assert(!kAsync || 32 % kIterTokens == 0, "an iteration lies inside one 32-key window");
   static_assert(kMTiles % kWarps == 0, "the CTA combine gives each warp whole m-tiles");
-  static_assert(!kClusterMerge || (kAsync && kHeadTiles == 1 && kWarps <= 8),
-                "cluster merge: async path, groups of at most 8, clusters of at most 8 CTAs");
+  static_assert(!kClusterMerge ||
+                    (kAsync && kHeadTiles == 1 && kCluster <= 16 && kMTiles % kClusterDivisor == 0),
+                "cluster merge: async path, groups of at most 8, whole m-tiles per CTA");
 
   // Shared-memory row swizzles (chunk index within a token's row). K is read as (token g,
   // chunk t + 4c) and V as (token 2t + b, chunk g + 8c): flipping bit 2 of the chunk on odd
@@ -254,7 +257,7 @@ struct DecodeShape {
 #define E4KV_DECODE_ASYNC_MIN_CTAS 1
 #endif
 template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync, int kWarps = kWarpsPerCta,
-          bool kClusterMerge = false>
+          int kCluster = 0>
 __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
   if (threadIdx.x == 0) E4KV_TL_MIN(kTlDecode, kTlEntryMin);
@@ -263,7 +266,8 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
     E4KV_TL_MIN(kTlDecode, kTlStartMin);
     E4KV_TL_MAX(kTlDecode, kTlStartMax);
   }
-  using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync, kWarps, kClusterMerge>;
+  using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync, kWarps, kCluster>;
+  constexpr bool kClusterMerge = Shape::kClusterMerge;
   extern __shared__ __align__(16) uint8_t decode_smem[];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Cluster merge: the receive barrier expects every CTA's bytes; the relaxed arrive here and the
@@ -740,14 +744,14 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (kClusterMerge) {
-    // The cluster is the row and KV head's kWarps CTAs (rank = blockIdx.y). CTA j merges the
-    // m-tiles j + kWarps i, which warp j of every CTA holds after the CTA combine: each warp sends
-    // its fragments (and each head's m, l) to that CTA, which waits for all of them, then weighs
-    // each partial by exp2(m - max m), sums, divides by the weighted l and writes the output (the
-    // merge kernel's arithmetic).
+    // The cluster is the row and KV head's kCluster CTAs (rank = blockIdx.y). CTA j merges the
+    // m-tiles j + kCluster i: after the CTA combine each warp sends each of its m-tiles (and, with
+    // the first one a CTA gets, each head's m, l) to the CTA that merges it, which waits for all of
+    // them, then weighs each partial by exp2(m - max m), sums, divides by the weighted l and writes
+    // the output (the merge kernel's arithmetic).
     constexpr int kValues = Shape::kReceiveValues;
     float* received = reinterpret_cast<float*>(decode_smem + Shape::kReceiveOffset);
-    float* received_ml = received + kWarps * 32 * kValues;  // [sender][head (8)][m, l]
+    float* received_ml = received + kCluster * 32 * kValues;  // [sender][head (8)][m, l]
     uint64_t* bar = reinterpret_cast<uint64_t*>(decode_smem + Shape::kBarrierOffset);
     const uint32_t rank = cluster_rank();
     cluster_wait();
@@ -755,31 +759,32 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       if (mt % kWarps != warp) continue;  // another warp's m-tile
-      send_async4(to + 4 * (mt / kWarps), uint32_t(warp), o[0][mt][0], o[0][mt][1], o[0][mt][2],
+      const uint32_t merger = uint32_t(mt % kCluster);
+      send_async4(to + 4 * (mt / kCluster), merger, o[0][mt][0], o[0][mt][1], o[0][mt][2],
                   o[0][mt][3], bar);
-    }
-    if (t == 0) {
-      send_async(received_ml + (rank * 8 + g) * 2, uint32_t(warp), __float_as_uint(m_run[0]),
-                 __float_as_uint(l_run[0]), bar);
+      if (mt < kCluster && t == 0) {
+        send_async(received_ml + (rank * 8 + g) * 2, merger, __float_as_uint(m_run[0]),
+                   __float_as_uint(l_run[0]), bar);
+      }
     }
     mbarrier_wait(bar, 0u);
     for (int e = int(threadIdx.x); e < 32 * kValues; e += kWarps * 32) {
       const int src = e % 32;  // the sending lane: (g, t) of the fragment
       const int v = e / 32;
       const int c = v % 4;
-      const int mt = int(rank) + kWarps * (v / 4);
+      const int mt = int(rank) + kCluster * (v / 4);
       const int head = 2 * (src % 4) + c % 2;
       if (head >= p.group) continue;
       const int j = 2 * mt;
       const int dim = kVElems * (src / 4 + 8 * (j / kVElems)) + j % kVElems + c / 2;
       float m_max = -INFINITY;
 #pragma unroll
-      for (int s = 0; s < kWarps; ++s) m_max = fmaxf(m_max, received_ml[(s * 8 + head) * 2]);
+      for (int s = 0; s < kCluster; ++s) m_max = fmaxf(m_max, received_ml[(s * 8 + head) * 2]);
       float acc = 0.0f;
       float l_sum = 0.0f;
       if (m_max != -INFINITY) {
 #pragma unroll
-        for (int s = 0; s < kWarps; ++s) {
+        for (int s = 0; s < kCluster; ++s) {
           const float m = received_ml[(s * 8 + head) * 2];
           const float w = m == -INFINITY ? 0.0f : exp2f(m - m_max);
           l_sum += w * received_ml[(s * 8 + head) * 2 + 1];
@@ -935,6 +940,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 struct DecodeInstance {
   void (*kernel)(DecodeKernelParams) = nullptr;
   int smem_bytes = 0;
+  int cluster = 0;  // CTAs per cluster of a cluster-merge instance
 };
 
 template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync>
@@ -963,13 +969,24 @@ DecodeInstance select_for_dim(int64_t head_dim, int group, bool async) {
   }
 }
 
-// The cluster-merge instance (async path, one head tile, kDecodeClusterCtas warps per CTA), for
-// head_dim 128 or 256 (whole m-tiles per warp); kernel nullptr for head_dim 64.
+// CTAs per cluster of the cluster merge at head_dim 256 (16 m-tiles: 8 or 16; 16 is a
+// non-portable cluster size); head_dim 128 (8 m-tiles) takes 8. Measured on the H200
+// (2026-12-01): clusters of 16 CTAs of 8 warps (one CTA per SM at 240 registers) passed the tests,
+// but fewer than the QSA step's 8 (4 rows x 2 KV heads) fit at once, so the planner fell back to
+// the merge kernel (31.6 us step); 8 gives 30.4 us.
+#ifndef E4KV_DECODE_CLUSTER_CTAS_D256
+#define E4KV_DECODE_CLUSTER_CTAS_D256 8
+#endif
+
+// The cluster-merge instance (async path, one head tile, kDecodeClusterWarps warps per CTA), for
+// head_dim 128 or 256 (whole m-tiles per CTA); kernel nullptr for head_dim 64.
 template <int kHeadDim, class Elem>
 DecodeInstance cluster_instance_for() {
-  constexpr int kWarps = int(kDecodeClusterCtas);
-  return DecodeInstance{&paged_decode_attention_kernel<kHeadDim, Elem, 1, true, kWarps, true>,
-                        DecodeShape<kHeadDim, Elem::kBytes, 1, true, kWarps, true>::kSmemBytes};
+  constexpr int kWarps = int(kDecodeClusterWarps);
+  constexpr int kCluster = kHeadDim == 256 ? E4KV_DECODE_CLUSTER_CTAS_D256 : 8;
+  return DecodeInstance{&paged_decode_attention_kernel<kHeadDim, Elem, 1, true, kWarps, kCluster>,
+                        DecodeShape<kHeadDim, Elem::kBytes, 1, true, kWarps, kCluster>::kSmemBytes,
+                        kCluster};
 }
 template <class Elem>
 DecodeInstance cluster_instance_for_dim(int64_t head_dim) {
@@ -985,6 +1002,20 @@ DecodeInstance select_cluster_instance(int64_t head_dim, int group, KvCacheDtype
     return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim);
   }
   return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim);
+}
+
+// Clusters above 8 CTAs are non-portable: each such kernel opts in once per device.
+void allow_cluster_size(const DecodeInstance& inst) {
+  if (inst.cluster <= 8) return;
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<std::pair<void (*)(DecodeKernelParams), int>> done;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (std::find(done.begin(), done.end(), std::pair{inst.kernel, device}) != done.end()) return;
+  E4KV_CUDA_CHECK(
+      cudaFuncSetAttribute(inst.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  done.emplace_back(inst.kernel, device);
 }
 
 // The instance for a validated shape (head_dim 64/128/256, group 1-16).
@@ -1064,55 +1095,59 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
   return int64_t(std::max(per_sm, 1)) * n_sms;
 }
 
-Result<int64_t> decode_attention_cluster_capacity(const KvCacheGeometry& geo, int64_t n_heads,
-                                                  const DecodeAttentionConfig& config, int device) {
+Result<DecodeClusterMerge> decode_attention_cluster_merge(const KvCacheGeometry& geo,
+                                                          int64_t n_heads,
+                                                          const DecodeAttentionConfig& config,
+                                                          int device) {
   E4KV_RETURN_IF_ERROR(check_shape(geo, n_heads));
-  if (!cluster_merge_enabled() || compute_capability(device) < 90) return int64_t(0);
+  if (!cluster_merge_enabled() || compute_capability(device) < 90) return DecodeClusterMerge{};
   const DecodeInstance inst =
       select_cluster_instance(geo.head_dim, int(n_heads / geo.n_kv_heads), geo.dtype, config);
-  if (inst.kernel == nullptr) return int64_t(0);
+  if (inst.kernel == nullptr) return DecodeClusterMerge{};
   cudaFuncAttributes attr{};
   E4KV_CUDA_CHECK(cudaFuncGetAttributes(&attr, inst.kernel));
-  if (attr.binaryVersion < 90) return int64_t(0);  // no sm_90 code in this build
+  if (attr.binaryVersion < 90) return DecodeClusterMerge{};  // no sm_90 code in this build
   int saved = 0;
   E4KV_CUDA_CHECK(cudaGetDevice(&saved));
   E4KV_CUDA_CHECK(cudaSetDevice(device));
   allow_shared_memory(inst);
+  allow_cluster_size(inst);
   cudaLaunchConfig_t lc{};
-  lc.gridDim = dim3(1, unsigned(kDecodeClusterCtas));
-  lc.blockDim = dim3(unsigned(kDecodeClusterCtas * 32));
+  lc.gridDim = dim3(1, unsigned(inst.cluster));
+  lc.blockDim = dim3(unsigned(kDecodeClusterWarps * 32));
   lc.dynamicSmemBytes = size_t(inst.smem_bytes);
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = 1;
-  cluster.val.clusterDim.y = unsigned(kDecodeClusterCtas);
+  cluster.val.clusterDim.y = unsigned(inst.cluster);
   cluster.val.clusterDim.z = 1;
   lc.attrs = &cluster;
   lc.numAttrs = 1;
   int clusters = 0;
   E4KV_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, inst.kernel, &lc));
   E4KV_CUDA_CHECK(cudaSetDevice(saved));
-  return int64_t(clusters);
+  return DecodeClusterMerge{int64_t(clusters), int64_t(inst.cluster) * kDecodeClusterWarps};
 }
 
-DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys) {
-  constexpr int64_t kSplits = kDecodeClusterCtas * kDecodeClusterCtas;
+DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys, int64_t n_splits) {
+  const int64_t splits = std::max<int64_t>(1, n_splits);
   const int64_t keys = std::max<int64_t>(1, max_keys);
-  const int64_t floor8 = keys / kSplits / kTileTokens * kTileTokens;
+  const int64_t floor8 = keys / splits / kTileTokens * kTileTokens;
   const int64_t ceil8 =
-      ((keys + kSplits - 1) / kSplits + kTileTokens - 1) / kTileTokens * kTileTokens;
+      ((keys + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens;
   // The last split's keys with the floor: within a tile of the others'.
-  const bool floor_fits = floor8 > 0 && keys - (kSplits - 1) * floor8 <= floor8 + kTileTokens;
-  DecodeAttentionPlan plan{floor_fits ? floor8 : ceil8, kSplits};
+  const bool floor_fits = floor8 > 0 && keys - (splits - 1) * floor8 <= floor8 + kTileTokens;
+  DecodeAttentionPlan plan{floor_fits ? floor8 : ceil8, splits};
   plan.merge_in_cluster = true;
   return plan;
 }
 
 DecodeAttentionPlan choose_decode_attention_plan(int64_t n_rows, int64_t n_kv_heads,
                                                  int64_t max_keys, int64_t resident_ctas,
-                                                 int64_t cluster_capacity) {
-  if (max_keys <= kDecodeClusterMaxKeys && n_rows * n_kv_heads <= cluster_capacity) {
-    return plan_decode_attention_cluster(max_keys);
+                                                 const DecodeClusterMerge& cluster) {
+  if (cluster.splits > 0 && max_keys <= kDecodeClusterMaxKeys &&
+      n_rows * n_kv_heads <= cluster.clusters) {
+    return plan_decode_attention_cluster(max_keys, cluster.splits);
   }
   return plan_decode_attention(n_rows, n_kv_heads, max_keys, resident_ctas);
 }
@@ -1160,8 +1195,7 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
   const int64_t n_rows = params.rows.n_rows;
   E4KV_RETURN_IF_ERROR(check_shape(geo, params.n_heads));
   if (plan.keys_per_split <= 0 || plan.keys_per_split % kTileTokens != 0 || plan.n_splits <= 0 ||
-      plan.n_splits % kWarpsPerCta != 0 ||
-      (plan.merge_in_cluster && plan.n_splits != kDecodeClusterCtas * kDecodeClusterCtas)) {
+      plan.n_splits % kWarpsPerCta != 0) {
     return Status::error("decode attention: bad plan");
   }
   DecodeInstance cluster_inst;
@@ -1170,13 +1204,17 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
     E4KV_CUDA_CHECK(cudaGetDevice(&device));
     cluster_inst = select_cluster_instance(geo.head_dim, int(params.n_heads / geo.n_kv_heads),
                                            geo.dtype, config);
-    const Result<int64_t> capacity =
-        decode_attention_cluster_capacity(geo, params.n_heads, config, device);
-    if (cluster_inst.kernel == nullptr || !capacity.ok() || *capacity == 0) {
+    const Result<DecodeClusterMerge> merge =
+        decode_attention_cluster_merge(geo, params.n_heads, config, device);
+    if (cluster_inst.kernel == nullptr || !merge.ok() || merge->clusters == 0) {
       return Status::error(
           "decode attention: a cluster-merge plan for a shape, config or device without the "
-          "cluster-merge kernel (decode_attention_cluster_capacity is 0): plan with "
+          "cluster-merge kernel (decode_attention_cluster_merge reports none): plan with "
           "plan_decode_attention");
+    }
+    if (plan.n_splits != merge->splits) {
+      return Status::error(cat("decode attention: a cluster-merge plan of ", plan.n_splits,
+                               " splits; this shape's clusters take ", merge->splits));
     }
   } else if (n_rows > workspace.max_rows || plan.n_splits > workspace.max_splits ||
              params.n_heads > workspace.n_heads || geo.head_dim > workspace.head_dim) {
@@ -1224,9 +1262,10 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
 
   if (plan.merge_in_cluster) {
     allow_shared_memory(cluster_inst);
-    LaunchDims dims{dim3(unsigned(n_rows * geo.n_kv_heads), unsigned(kDecodeClusterCtas)),
-                    dim3(unsigned(kDecodeClusterCtas * 32)), size_t(cluster_inst.smem_bytes)};
-    dims.cluster_y = unsigned(kDecodeClusterCtas);
+    allow_cluster_size(cluster_inst);
+    LaunchDims dims{dim3(unsigned(n_rows * geo.n_kv_heads), unsigned(cluster_inst.cluster)),
+                    dim3(unsigned(kDecodeClusterWarps * 32)), size_t(cluster_inst.smem_bytes)};
+    dims.cluster_y = unsigned(cluster_inst.cluster);
     launch_kernel(cluster_inst.kernel, dims, stream, kp);
     return Status();
   }

@@ -19,17 +19,25 @@ namespace e4kv::cuda {
 struct DecodeAttentionPlan {
   int64_t keys_per_split = 0;  // a multiple of 8
   int64_t n_splits = 0;        // per row
-  // The splits merged inside the decode kernel: per row and KV head a thread-block cluster of
-  // kDecodeClusterCtas CTAs of kDecodeClusterCtas warps (n_splits = 64) exchanges its partial
-  // results through distributed shared memory and writes the output, so there is no merge kernel
-  // and no workspace (sm_90+, plan_decode_attention_cluster). The row's last split also takes every
-  // key past the others.
+  // The splits merged inside the decode kernel: per row and KV head a thread-block cluster of CTAs
+  // of kDecodeClusterWarps warps (n_splits = CTAs x warps, DecodeClusterMerge::splits) exchanges
+  // its partial results through distributed shared memory and writes the output, so there is no
+  // merge kernel and no workspace (sm_90+, plan_decode_attention_cluster). The row's last split
+  // also takes every key past the others.
   bool merge_in_cluster = false;
 };
 
-inline constexpr int64_t kDecodeClusterCtas = 8;
-// Longest key lists the planner gives the cluster merge (64 splits of at most 64 keys).
+inline constexpr int64_t kDecodeClusterWarps = 8;
+// Longest key lists the planner gives the cluster merge.
 inline constexpr int64_t kDecodeClusterMaxKeys = 4096;
+
+// The cluster merge on a device for a shape and config: how many clusters (each one row and KV
+// head) run at once, and the splits of one (its CTAs x kDecodeClusterWarps). All 0 where it does
+// not run.
+struct DecodeClusterMerge {
+  int64_t clusters = 0;
+  int64_t splits = 0;
+};
 
 // How the decode kernel moves K/V bytes from global memory.
 enum class DecodeLoadPath {
@@ -60,24 +68,26 @@ Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64
 DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
                                           int64_t resident_ctas);
 
-// How many (row, KV head) items one wave of the cluster-merge kernel holds on `device` for this
-// shape and config (each item is one cluster); 0 where it does not run: below sm_90, the
-// registers load path, head_dim 64, a GQA group above 8, or E4KV_DISABLE_CLUSTER_MERGE=1 in the
-// environment. Errors name a shape outside the kernel's limits.
-Result<int64_t> decode_attention_cluster_capacity(const KvCacheGeometry& geo, int64_t n_heads,
-                                                  const DecodeAttentionConfig& config, int device);
+// The cluster merge for this shape and config on `device`; all 0 where it does not run: below
+// sm_90, the registers load path, head_dim 64, a GQA group above 8, or cluster_merge_enabled()
+// false. Errors name a shape outside the kernel's limits.
+Result<DecodeClusterMerge> decode_attention_cluster_merge(const KvCacheGeometry& geo,
+                                                          int64_t n_heads,
+                                                          const DecodeAttentionConfig& config,
+                                                          int device);
 
-// The cluster-merge split for key lists of at most max_keys keys (>= 1): 64 splits of
-// keys_per_split keys (a multiple of 8), the last also taking the rest. When max_keys is a little
-// above a multiple of 512 (a QSA selection: budget + a causal tail of up to ratio - 1 keys),
-// keys_per_split = floor, so only the last split holds a few keys more; otherwise the ceiling.
-DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys);
+// The cluster-merge split of key lists of at most max_keys keys (>= 1) into n_splits splits
+// (DecodeClusterMerge::splits) of keys_per_split keys (a multiple of 8), the last also taking the
+// rest. When the floor leaves the last split at most a tile of 8 keys more than the others (a QSA
+// selection: budget + a causal tail of up to ratio - 1 keys), keys_per_split is that floor;
+// otherwise the ceiling.
+DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys, int64_t n_splits);
 
-// The plan for a launch: the cluster merge when cluster_capacity holds n_rows * n_kv_heads items
-// (one wave) and max_keys <= kDecodeClusterMaxKeys, else plan_decode_attention.
+// The plan for a launch: the cluster merge when one wave of its clusters holds n_rows *
+// n_kv_heads and max_keys <= kDecodeClusterMaxKeys, else plan_decode_attention.
 DecodeAttentionPlan choose_decode_attention_plan(int64_t n_rows, int64_t n_kv_heads,
                                                  int64_t max_keys, int64_t resident_ctas,
-                                                 int64_t cluster_capacity);
+                                                 const DecodeClusterMerge& cluster);
 
 // Partial results between the two kernels (device memory, fp32):
 //   m, l: [n_rows, n_splits, n_heads]; acc: [n_rows, n_splits, n_heads, head_dim]
@@ -100,7 +110,7 @@ size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, i
 
 // out = attention of every row of params.rows (device pointers throughout; params.out fp32).
 // A plan with merge_in_cluster needs no workspace (it may be empty) and the cluster-merge kernel
-// (decode_attention_cluster_capacity > 0).
+// for this shape (decode_attention_cluster_merge, whose splits it must have).
 // Limits: head_dim 64, 128 or 256; GQA group (n_heads / n_kv_heads) <= 16; block_size a multiple
 // of 8; params.q 16-byte aligned. E4M3 caches use the native conversion when config.native_e4m3 and
 // the software decoder otherwise; config.load kAsyncCopy needs sm_80+ (decode_attention_config
