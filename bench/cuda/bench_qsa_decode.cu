@@ -4,8 +4,10 @@
 // one process. The QSA step is
 // qsa_index_scores (writing the run maxima; rows with at most k = budget / ratio visible groups are
 // skipped) -> qsa_top_k_select (kAuto, given the maxima) -> paged_decode_attention over that
-// selection (width budget + 3, planned for budget + 3 keys), with the main cache in FP16, E4M3
-// through the software decoder (native_e4m3 = false) and E4M3 native where usable. Prints a table
+// selection (width budget + 3, planned for budget + 3 keys by choose_decode_attention_plan: the
+// splits merged in a thread-block cluster where that applies), with the main cache in FP16, E4M3
+// through the software decoder (native_e4m3 = false) and E4M3 native where usable, then the last
+// of these again with the splits merged by the second kernel ("-mk", side by side). Prints a table
 // and writes JSON (argv[1], default qsa_decode.json); exits non-zero when the sanity check fails
 // (after the warm-up every row selects budget + 3 tokens, the attention output holds no NaN).
 // The decode rows sit at pos = kCtx - 2 with seq_len = pos + 1 (131071 tokens, in a cache sized for
@@ -141,6 +143,7 @@ bool output_finite(const float* d_out) {
 struct QsaResult {
   std::string kv;
   int64_t splits = 0;
+  bool cluster_merge = false;  // the attention's splits merged in a thread-block cluster
   Timing attention;   // alone, over each copy's selection
   Timing step;        // scores + top-k + attention, cold (copies rotating)
   Timing step_warm;   // the same on one copy
@@ -454,23 +457,33 @@ int main(int argc, char** argv) {
                           sel.begin() + (g_batch + 1) * kWidth, std::back_inserter(shared));
   }
 
-  std::vector<std::pair<KvCacheDtype, DecodeAttentionConfig>> kinds{
-      {KvCacheDtype::kF16, {false, best.load}}, {KvCacheDtype::kE4m3, {false, best.load}}};
-  if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}});
+  // merge_kernel: the attention's splits merged by the second kernel even where the planner would
+  // merge them in a cluster (the side-by-side row "-mk").
+  struct Kind {
+    KvCacheDtype dtype;
+    DecodeAttentionConfig config;
+    bool merge_kernel;
+  };
+  std::vector<Kind> kinds{{KvCacheDtype::kF16, {false, best.load}, false},
+                          {KvCacheDtype::kE4m3, {false, best.load}, false}};
+  if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}, false});
   Timing scores_time;
   Timing top_k_time;
   if (!profile && !timeline) {
     scores_time = time_step(scores_step, copies);
     top_k_time = time_step(top_k_step, copies);
+    kinds.push_back({KvCacheDtype::kE4m3, kinds.back().config, true});
   } else {
     kinds.erase(kinds.begin(), kinds.end() - 1);
   }
 
   std::vector<QsaResult> results;
-  for (const auto& [dtype, config] : kinds) {
+  for (const auto& [dtype, config, merge_kernel] : kinds) {
     const bool e4m3 = dtype == KvCacheDtype::kE4m3;
     const KvCacheGeometry& geo = e4m3 ? geo_e4m3 : geo_f16;
+    set_cluster_merge(!merge_kernel);
     const DecodeAttentionPlan plan = plan_for(geo, config, kWidth);
+    set_cluster_merge(true);
     const DecodeAttentionWorkspace ws = make_workspace(plan.n_splits);
     std::vector<PagedAttentionParams> attention(copies, dense);
     for (int c = 0; c < copies; ++c) {
@@ -489,8 +502,9 @@ int main(int argc, char** argv) {
       attention_step(stream, c);
     };
     QsaResult r;
-    r.kv = kv_name(dtype, config);
+    r.kv = kv_name(dtype, config) + (merge_kernel ? "-mk" : "");
     r.splits = plan.n_splits;
+    r.cluster_merge = plan.merge_in_cluster;
     for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
     if (profile) {
       for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
@@ -588,7 +602,8 @@ int main(int argc, char** argv) {
   std::fprintf(f, " \"qsa\": [\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const QsaResult& r = results[i];
-    std::fprintf(f, "  {\"kv\": \"%s\", \"splits\": %lld", r.kv.c_str(), (long long)r.splits);
+    std::fprintf(f, "  {\"kv\": \"%s\", \"splits\": %lld, \"cluster_merge\": %s", r.kv.c_str(),
+                 (long long)r.splits, r.cluster_merge ? "true" : "false");
     for (const bool graph : {false, true}) {
       auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
       std::fprintf(f,
