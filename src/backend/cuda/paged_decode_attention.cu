@@ -12,7 +12,10 @@
 //                fragments pair the same dims of two tokens (one byte permute per pair).
 // E4M3 pages are decoded in registers (software: byte permute + shift + masks, value * 2^-8 with
 // 2^8 folded into the scales; or cvt.rn.f16x2.e4m3x2 on sm_89+). Each K/V byte is read once.
-// A second kernel merges the splits by log-sum-exp and applies v_scale, 1/l and the gate.
+// A second kernel merges the splits by log-sum-exp and applies v_scale, 1/l and the gate; or, on
+// sm_90 for short key lists (a QSA selection) whose rows fit one wave of clusters, the kernel
+// merges them itself: a thread-block cluster per row and KV head whose CTAs exchange their
+// partials through distributed shared memory (cluster merge, below the CTA combine).
 //
 // Two ways to move the bytes (DecodeLoadPath):
 //   registers:  each iteration's fragments are loaded straight from global memory, then used
@@ -862,6 +865,9 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
 //     online log-sum-exp (running maximum, rescaled sums) instead of a block-wide maximum first,
 //     and the gate requested beside them: 11.4 against 9.7 us (one call, both builds side by
 //     side); slower, and it was not looked into further;
+//   - kept instead, where it applies: the merge inside a thread-block cluster (session 10, the
+//     cluster-merge instance): 8.8 against 9.7 us for the attention, 30.4 against 31.6 us for
+//     the QSA step at 4 x 128K (H200, one process side by side);
 //   - the same merge code in the decode kernel behind a runtime flag (not a separate instance)
 //     moved ptxas' allocation of the main loop (FP16 d 256: 236 -> 203 registers) and slowed dense
 //     FP16 decode at 4 x 128K from 248 to 285 us: keep any such tail in its own instance.
