@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,20 @@ __device__ __forceinline__ void load_shared_words(const uint8_t* ptr, uint32_t (
 __device__ __forceinline__ void to_columns(float v, int t, float& a0, float& a1) {
   a0 = __shfl_sync(kFullMask, v, 8 * t);
   a1 = __shfl_sync(kFullMask, v, 8 * t + 4);
+}
+
+// One output element of a merged row and head: the weighted sum over the splits divided by their
+// weighted l, times out_scale (v_scale and the decode factor), times sigmoid(gate) where a gate
+// is given; 0 for a row without keys.
+__device__ __forceinline__ void store_merged(float acc, float l_sum, float out_scale,
+                                             const uint16_t* gate, float* out, int64_t index) {
+  float value = l_sum > 0.0f ? acc * out_scale / l_sum : 0.0f;
+  if (gate != nullptr) {
+    __half_raw raw;
+    raw.x = gate[index];
+    value *= 1.0f / (1.0f + expf(-__half2float(__half(raw))));
+  }
+  out[index] = value;
 }
 
 // Registers of raw K/V bytes per thread that one iteration may take, and bytes of shared-memory
@@ -794,15 +809,8 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
           acc += w * received[(s * 32 + src) * kValues + v];
         }
       }
-      const int64_t out_index = (int64_t(row) * p.n_heads + head0 + head) * kHeadDim + dim;
-      float out = l_sum > 0.0f ? acc * p.out_scale / l_sum : 0.0f;
-      if (p.gate != nullptr) {
-        __half_raw raw;
-        raw.x = p.gate[out_index];
-        const float gate = __half2float(__half(raw));
-        out *= 1.0f / (1.0f + expf(-gate));
-      }
-      p.out[out_index] = out;
+      store_merged(acc, l_sum, p.out_scale, p.gate, p.out,
+                   (int64_t(row) * p.n_heads + head0 + head) * kHeadDim + dim);
     }
     if (lane == 0) {
       E4KV_TL_MIN(kTlDecode, kTlExitMin);
@@ -927,15 +935,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
     acc += warp_acc[w][lane];
     l_sum += warp_l[w];
   }
-  const int64_t out_index = (int64_t(row) * p.n_heads + head) * head_dim + dim;
-  float out = l_sum > 0.0f ? acc * p.out_scale / l_sum : 0.0f;
-  if (p.gate != nullptr) {
-    __half_raw raw;
-    raw.x = p.gate[out_index];
-    const float gate = __half2float(__half(raw));
-    out *= 1.0f / (1.0f + expf(-gate));
-  }
-  p.out[out_index] = out;
+  store_merged(acc, l_sum, p.out_scale, p.gate, p.out,
+               (int64_t(row) * p.n_heads + head) * head_dim + dim);
   if (lane == 0) {
     E4KV_TL_MIN(kTlMerge, kTlExitMin);
     E4KV_TL_MAX(kTlMerge, kTlExitMax);
@@ -1010,20 +1011,6 @@ DecodeInstance select_cluster_instance(int64_t head_dim, int group, KvCacheDtype
   return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim);
 }
 
-// Clusters above 8 CTAs are non-portable: each such kernel opts in once per device.
-void allow_cluster_size(const DecodeInstance& inst) {
-  if (inst.cluster <= 8) return;
-  int device = 0;
-  E4KV_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<std::pair<void (*)(DecodeKernelParams), int>> done;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (std::find(done.begin(), done.end(), std::pair{inst.kernel, device}) != done.end()) return;
-  E4KV_CUDA_CHECK(
-      cudaFuncSetAttribute(inst.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  done.emplace_back(inst.kernel, device);
-}
-
 // The instance for a validated shape (head_dim 64/128/256, group 1-16).
 DecodeInstance select_instance(int64_t head_dim, int group, KvCacheDtype dtype,
                                const DecodeAttentionConfig& config) {
@@ -1035,18 +1022,30 @@ DecodeInstance select_instance(int64_t head_dim, int group, KvCacheDtype dtype,
   return select_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim, group, async);
 }
 
-// Instances above the default 48 KB of dynamic shared memory must opt in, once per device.
-void allow_shared_memory(const DecodeInstance& inst) {
-  if (inst.smem_bytes <= 48 * 1024) return;
+// Sets a kernel attribute once per (kernel, device, attribute).
+void set_attribute_once(void (*kernel)(DecodeKernelParams), cudaFuncAttribute attribute,
+                        int value) {
   int device = 0;
   E4KV_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mutex;
-  static std::vector<std::pair<void (*)(DecodeKernelParams), int>> done;
+  static std::vector<std::tuple<void (*)(DecodeKernelParams), int, cudaFuncAttribute>> done;
   const std::lock_guard<std::mutex> lock(mutex);
-  if (std::find(done.begin(), done.end(), std::pair{inst.kernel, device}) != done.end()) return;
-  E4KV_CUDA_CHECK(cudaFuncSetAttribute(inst.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       inst.smem_bytes));
-  done.emplace_back(inst.kernel, device);
+  const std::tuple key{kernel, device, attribute};
+  if (std::find(done.begin(), done.end(), key) != done.end()) return;
+  E4KV_CUDA_CHECK(cudaFuncSetAttribute(kernel, attribute, value));
+  done.push_back(key);
+}
+
+// Instances above the default 48 KB of dynamic shared memory must opt in, once per device.
+void allow_shared_memory(const DecodeInstance& inst) {
+  if (inst.smem_bytes <= 48 * 1024) return;
+  set_attribute_once(inst.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, inst.smem_bytes);
+}
+
+// Clusters above 8 CTAs are non-portable: each such kernel opts in once per device.
+void allow_cluster_size(const DecodeInstance& inst) {
+  if (inst.cluster <= 8) return;
+  set_attribute_once(inst.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
 Status check_shape(const KvCacheGeometry& geo, int64_t n_heads) {
