@@ -278,12 +278,7 @@ template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync, int kWarps = kW
           int kCluster = 0>
 __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CTAS : 1)
     paged_decode_attention_kernel(const __grid_constant__ DecodeKernelParams p) {
-  if (threadIdx.x == 0) E4KV_TL_MIN(kTlDecode, kTlEntryMin);
-  enter_dependent_grid();
-  if (threadIdx.x == 0) {
-    E4KV_TL_MIN(kTlDecode, kTlStartMin);
-    E4KV_TL_MAX(kTlDecode, kTlStartMax);
-  }
+  E4KV_TL_ENTER_DEPENDENT_GRID(kTlDecode);
   using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync, kWarps, kCluster>;
   constexpr bool kClusterMerge = Shape::kClusterMerge;
   extern __shared__ __align__(16) uint8_t decode_smem[];
@@ -812,10 +807,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
       store_merged(acc, l_sum, p.out_scale, p.gate, p.out,
                    (int64_t(row) * p.n_heads + head0 + head) * kHeadDim + dim);
     }
-    if (lane == 0) {
-      E4KV_TL_MIN(kTlDecode, kTlExitMin);
-      E4KV_TL_MAX(kTlDecode, kTlExitMax);
-    }
+    E4KV_TL_EXIT(kTlDecode, lane == 0);
     return;
   }
 #endif
@@ -849,10 +841,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
       }
     }
   }
-  if (lane == 0) {
-    E4KV_TL_MIN(kTlDecode, kTlExitMin);
-    E4KV_TL_MAX(kTlDecode, kTlExitMax);
-  }
+  E4KV_TL_EXIT(kTlDecode, lane == 0);
 }
 
 // One CTA per (row, head, 32-dim chunk) with kMergeWarps warps: warp w merges the splits
@@ -883,12 +872,7 @@ constexpr int kMergeWarps = 8;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     decode_attention_merge_kernel(const __grid_constant__ MergeKernelParams p, int head_dim) {
-  if (threadIdx.x == 0) E4KV_TL_MIN(kTlMerge, kTlEntryMin);
-  enter_dependent_grid();
-  if (threadIdx.x == 0) {
-    E4KV_TL_MIN(kTlMerge, kTlStartMin);
-    E4KV_TL_MAX(kTlMerge, kTlStartMax);
-  }
+  E4KV_TL_ENTER_DEPENDENT_GRID(kTlMerge);
   __shared__ float warp_max[kMergeWarps];
   __shared__ float warp_l[kMergeWarps];
   __shared__ float warp_acc[kMergeWarps][32];
@@ -937,10 +921,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   }
   store_merged(acc, l_sum, p.out_scale, p.gate, p.out,
                (int64_t(row) * p.n_heads + head) * head_dim + dim);
-  if (lane == 0) {
-    E4KV_TL_MIN(kTlMerge, kTlExitMin);
-    E4KV_TL_MAX(kTlMerge, kTlExitMax);
-  }
+  E4KV_TL_EXIT(kTlMerge, lane == 0);
 }
 
 // One compiled instance of the decode kernel and the dynamic shared memory it takes.

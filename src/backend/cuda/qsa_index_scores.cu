@@ -551,12 +551,7 @@ static_assert(kMmaTileGroups == 32 && kRunGroups == 8);
 // 4 x 32K groups and 48.2 against 40.2 us at 16 x 32K (H200, 2026-12-01, cold, in one call).
 __global__ void __launch_bounds__(kMmaWarps * 32, 1)
     qsa_index_scores_mma_kernel(const __grid_constant__ ScoresKernelParams p) {
-  if (threadIdx.x == 0) E4KV_TL_MIN(kTlScores, kTlEntryMin);
-  enter_dependent_grid();
-  if (threadIdx.x == 0) {
-    E4KV_TL_MIN(kTlScores, kTlStartMin);
-    E4KV_TL_MAX(kTlScores, kTlStartMax);
-  }
+  E4KV_TL_ENTER_DEPENDENT_GRID(kTlScores);
   const int lane = int(threadIdx.x) & 31;
   const int32_t row = int32_t(blockIdx.y);
   const int64_t base = (int64_t(blockIdx.x) * kMmaWarps + (threadIdx.x >> 5)) * kMmaTileGroups;
@@ -657,10 +652,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
       p.run_maxima[int64_t(row) * p.run_stride + base / kRunGroups + lane / kRunGroups] = run_max;
     }
   }
-  if (lane == 0) {
-    E4KV_TL_MIN(kTlScores, kTlExitMin);
-    E4KV_TL_MAX(kTlScores, kTlExitMax);
-  }
+  E4KV_TL_EXIT(kTlScores, lane == 0);
 }
 
 using ScoresKernel = void (*)(ScoresKernelParams);

@@ -969,13 +969,8 @@ template <int kSlots>
 __global__ void __launch_bounds__(kClusterThreads)
     qsa_top_k_cluster_kernel(const __grid_constant__ FilterKernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0) E4KV_TL_MIN(kTlTopK, kTlEntryMin);
-  enter_dependent_grid();
+  E4KV_TL_ENTER_DEPENDENT_GRID(kTlTopK);
   const bool marker = blockIdx.x == 0 && threadIdx.x == 0;
-  if (threadIdx.x == 0) {
-    E4KV_TL_MIN(kTlTopK, kTlStartMin);
-    E4KV_TL_MAX(kTlTopK, kTlStartMax);
-  }
   if (marker) E4KV_TL_PHASE(0);
   constexpr int kBoundSlots = 4 * kSlots;  // a bound warp's runs per lane: 4 rpw / 32
   extern __shared__ __align__(16) uint32_t cluster_smem[];
@@ -1318,20 +1313,14 @@ __global__ void __launch_bounds__(kClusterThreads)
     cluster_wait();
     if (marker) E4KV_TL_PHASE(9);
     if (rank != 0) {
-      if (threadIdx.x == 0) {
-        E4KV_TL_MIN(kTlTopK, kTlExitMin);
-        E4KV_TL_MAX(kTlTopK, kTlExitMax);
-      }
+      E4KV_TL_EXIT(kTlTopK, threadIdx.x == 0);
       return;
     }
   }
 
   write_tail<kClusterThreads>(p, row, rg, n_groups, out);  // the first CTA of the cluster
   if (marker) E4KV_TL_PHASE(10);
-  if (threadIdx.x == 0) {
-    E4KV_TL_MIN(kTlTopK, kTlExitMin);
-    E4KV_TL_MAX(kTlTopK, kTlExitMax);
-  }
+  E4KV_TL_EXIT(kTlTopK, threadIdx.x == 0);
 #endif
 }
 

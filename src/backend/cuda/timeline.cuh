@@ -60,6 +60,24 @@ __device__ __forceinline__ unsigned long long e4kv_timeline_now() {
     unsigned long long* tl_ = e4kv::cuda::g_timeline;                                      \
     if (tl_ != nullptr) atomicMax(tl_ + E4KV_TL_SLOT(kernel, event), e4kv_timeline_now()); \
   } while (0)
+// enter_dependent_grid() with thread 0's entry and start probes around it.
+#define E4KV_TL_ENTER_DEPENDENT_GRID(kernel)                            \
+  do {                                                                  \
+    if (threadIdx.x == 0) E4KV_TL_MIN(kernel, e4kv::cuda::kTlEntryMin); \
+    enter_dependent_grid();                                             \
+    if (threadIdx.x == 0) {                                             \
+      E4KV_TL_MIN(kernel, e4kv::cuda::kTlStartMin);                     \
+      E4KV_TL_MAX(kernel, e4kv::cuda::kTlStartMax);                     \
+    }                                                                   \
+  } while (0)
+// The exit probes, recorded where `who` (a condition, e.g. lane == 0) holds.
+#define E4KV_TL_EXIT(kernel, who)                  \
+  do {                                             \
+    if (who) {                                     \
+      E4KV_TL_MIN(kernel, e4kv::cuda::kTlExitMin); \
+      E4KV_TL_MAX(kernel, e4kv::cuda::kTlExitMax); \
+    }                                              \
+  } while (0)
 // Phase mark i (one CTA writes it).
 #define E4KV_TL_PHASE(i)                                               \
   do {                                                                 \
@@ -79,5 +97,9 @@ __device__ __forceinline__ unsigned long long e4kv_timeline_now() {
   } while (0)
 #define E4KV_TL_PHASE(i) \
   do {                   \
+  } while (0)
+#define E4KV_TL_ENTER_DEPENDENT_GRID(kernel) enter_dependent_grid()
+#define E4KV_TL_EXIT(kernel, who) \
+  do {                            \
   } while (0)
 #endif
