@@ -1190,17 +1190,18 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
     E4KV_CUDA_CHECK(cudaGetDevice(&device));
     cluster_inst = select_cluster_instance(geo.head_dim, int(params.n_heads / geo.n_kv_heads),
                                            geo.dtype, config);
-    const Result<DecodeClusterMerge> merge =
-        decode_attention_cluster_merge(geo, params.n_heads, config, device);
-    if (cluster_inst.kernel == nullptr || !merge.ok() || merge->clusters == 0) {
+    // Checked without the occupancy query of decode_attention_cluster_merge, which the planner
+    // made: this runs on every launch.
+    if (cluster_inst.kernel == nullptr || compute_capability(device) < 90) {
       return Status::error(
           "decode attention: a cluster-merge plan for a shape, config or device without the "
           "cluster-merge kernel (decode_attention_cluster_merge reports none): plan with "
           "plan_decode_attention");
     }
-    if (plan.n_splits != merge->splits) {
+    if (plan.n_splits != cluster_inst.cluster * kDecodeClusterWarps) {
       return Status::error(cat("decode attention: a cluster-merge plan of ", plan.n_splits,
-                               " splits; this shape's clusters take ", merge->splits));
+                               " splits; this shape's clusters take ",
+                               cluster_inst.cluster * kDecodeClusterWarps));
     }
   } else if (n_rows > workspace.max_rows || plan.n_splits > workspace.max_splits ||
              params.n_heads > workspace.n_heads || geo.head_dim > workspace.head_dim) {
