@@ -18,7 +18,7 @@ inline constexpr int kTimelinePhases = 16;  // phase marks after the kernels' ev
 inline constexpr int kTlEntryMin = 0, kTlStartMin = 1, kTlStartMax = 2, kTlExitMin = 3,
                      kTlExitMax = 4;
 // Kernel indices.
-inline constexpr int kTlScores = 0, kTlTopK = 1, kTlDecode = 2, kTlMerge = 3;
+inline constexpr int kTlScores = 0, kTlTopK = 1, kTlDecode = 2, kTlMerge = 3, kTlSparseDecode = 4;
 inline constexpr int kTimelineWords =
     kTimelineKernels * kTimelineEvents * kTimelineSpread + kTimelinePhases;
 
@@ -27,6 +27,7 @@ inline constexpr int kTimelineWords =
 void timeline_attach_scores(unsigned long long* buffer);
 void timeline_attach_top_k(unsigned long long* buffer);
 void timeline_attach_decode(unsigned long long* buffer);
+void timeline_attach_sparse_decode(unsigned long long* buffer);
 #endif
 
 }  // namespace e4kv::cuda
@@ -34,12 +35,16 @@ void timeline_attach_decode(unsigned long long* buffer);
 #if defined(E4KV_TIMELINE) && defined(__CUDACC__)
 #include <cuda_runtime.h>
 
-#define E4KV_TIMELINE_UNIT(name)                              \
-  namespace e4kv::cuda {                                      \
-  static __device__ unsigned long long* g_timeline = nullptr; \
-  void timeline_attach_##name(unsigned long long* buffer) {   \
-    cudaMemcpyToSymbol(g_timeline, &buffer, sizeof(buffer));  \
-  }                                                           \
+// Each translation unit's probe buffer (device code in the shared headers records into the buffer
+// of the unit that includes it); E4KV_TIMELINE_UNIT(name) defines the unit's attach function.
+namespace e4kv::cuda {
+static __device__ unsigned long long* g_timeline = nullptr;
+}  // namespace e4kv::cuda
+#define E4KV_TIMELINE_UNIT(name)                             \
+  namespace e4kv::cuda {                                     \
+  void timeline_attach_##name(unsigned long long* buffer) {  \
+    cudaMemcpyToSymbol(g_timeline, &buffer, sizeof(buffer)); \
+  }                                                          \
   }
 
 __device__ __forceinline__ unsigned long long e4kv_timeline_now() {
