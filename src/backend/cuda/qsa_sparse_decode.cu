@@ -80,17 +80,6 @@ struct SparseDecodeParams {
   DecodeKernelParams decode;
 };
 
-// The row's key list for decode_attention_body: entries in shared memory.
-struct SharedKeys {
-  const int32_t* sel;
-  int32_t width;
-  int32_t n;
-
-  __device__ bool selected() const { return true; }
-  __device__ int at(int key) const { return sel[key]; }
-  __device__ int clamped(int key) const { return sel[min(key, int(width) - 1)]; }
-  __device__ int count(const DecodeKernelParams&, int) const { return n; }
-};
 
 template <int kHeadDim, class Elem>
 using SparseShape = DecodeShape<kHeadDim, Elem::kBytes, 1, true, kWarps, kCluster>;
@@ -106,6 +95,18 @@ constexpr int smem_bytes() {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The row's key list for decode_attention_body: entries in shared memory.
+struct SharedKeys {
+  const int32_t* sel;
+  int32_t width;
+  int32_t n;
+
+  __device__ bool selected() const { return true; }
+  __device__ int at(int key) const { return sel[key]; }
+  __device__ int clamped(int key) const { return sel[min(key, int(width) - 1)]; }
+  __device__ int count(const DecodeKernelParams&, int) const { return n; }
+};
+
 // Step 2's fast path: the selected candidates of all_pairs as tokens into keys, in the same order
 // in every CTA: thread t takes candidates t, t + kThreads, .. (conflict-free reads), and its
 // selected ones go after those of threads 0 .. t - 1. Returns false (every CTA alike) where some
