@@ -195,6 +195,24 @@ TEST(QsaSparseDecodeCuda, MatchesCpuReference) {
   std::printf("[ info ] sparse decode: %d runs, worst relative L2 %.3g\n", runs, worst);
 }
 
+// Two runs that between them take every path of the kernel (the sweep's rows), small enough for
+// compute-sanitizer (scripts/gpu_run.sh runs it there instead of the sweep).
+TEST(QsaSparseDecodeCuda, EveryPathOnceForTheSanitizer) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (compute_capability(0) < 90) GTEST_SKIP() << "the sparse decode kernel needs sm_90+";
+  const bool native = decode_attention_native_e4m3_usable(0);
+  const AttentionCase cases[2] = {
+      {256, 2, 8, 64, KvCacheDtype::kE4m3, true, native},
+      {128, 2, 4, 16, KvCacheDtype::kF16, true, false}};
+  const int64_t budgets[2] = {2048, 64};
+  for (int i = 0; i < 2; ++i) {
+    const Outcome o = run_case(cases[i], budgets[i], i == 0, 4242u + uint32_t(i));
+    EXPECT_EQ(o.output.nan_count, 0) << describe(cases[i]);
+    EXPECT_LE(o.output.rel_l2, 2e-3) << describe(cases[i]) << " max abs " << o.output.max_abs;
+    EXPECT_EQ(o.bad_rows, 0);
+  }
+}
+
 // Bad arguments get an error that names them; nothing is launched.
 TEST(QsaSparseDecodeCuda, RejectsWhatItDoesNotRun) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
