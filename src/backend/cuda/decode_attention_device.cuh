@@ -835,6 +835,15 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
   E4KV_TL_EXIT(kTimelineKernel, lane == 0);
 }
 
+// f.template operator()<Elem>() for the cache element type of (dtype, native E4M3 decode): FP16,
+// or E4M3 through the native or the software decoder (host; picks kernel instances).
+template <class F>
+auto with_cache_elem(KvCacheDtype dtype, bool native_e4m3, F&& f) {
+  if (dtype != KvCacheDtype::kE4m3) return f.template operator()<ElemF16>();
+  if (native_e4m3) return f.template operator()<ElemE4m3<E4m3Decode::kNative>>();
+  return f.template operator()<ElemE4m3<E4m3Decode::kSoftware>>();
+}
+
 // The decode kernel's parameters for a launch (host). workspace: the split partials, or nullptr
 // for a cluster-merge plan.
 inline DecodeKernelParams decode_kernel_params(const PagedAttentionParams& params,

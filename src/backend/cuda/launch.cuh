@@ -25,7 +25,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
@@ -73,6 +77,42 @@ void launch_kernel(void (*kernel)(Params...), const LaunchDims& dims, cudaStream
   config.attrs = attributes;
   config.numAttrs = n;
   E4KV_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Sets a kernel attribute once per (kernel, device, attribute): the shared-memory and cluster-size
+// opt-ins, called on launch paths.
+template <class... Params>
+void set_attribute_once(void (*kernel)(Params...), cudaFuncAttribute attribute, int value) {
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<std::tuple<void (*)(Params...), int, cudaFuncAttribute>> done;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::tuple key{kernel, device, attribute};
+  if (std::find(done.begin(), done.end(), key) != done.end()) return;
+  E4KV_CUDA_CHECK(cudaFuncSetAttribute(kernel, attribute, value));
+  done.push_back(key);
+}
+
+// How many clusters of `cluster_y` CTAs of `threads` threads and `smem_bytes` of dynamic shared
+// memory (the opt-in already made) run at once on the current device.
+template <class... Params>
+int max_active_clusters(void (*kernel)(Params...), unsigned threads, size_t smem_bytes,
+                        unsigned cluster_y) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(1, cluster_y);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = cluster_y;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  return clusters;
 }
 
 }  // namespace e4kv::cuda

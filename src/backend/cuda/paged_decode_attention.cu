@@ -38,8 +38,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -207,36 +205,18 @@ DecodeInstance cluster_instance_for_dim(int64_t head_dim) {
 DecodeInstance select_cluster_instance(int64_t head_dim, int group, KvCacheDtype dtype,
                                        const DecodeAttentionConfig& config) {
   if (group > 8 || config.load != DecodeLoadPath::kAsyncCopy) return DecodeInstance{};
-  if (dtype != KvCacheDtype::kE4m3) return cluster_instance_for_dim<ElemF16>(head_dim);
-  if (config.native_e4m3) {
-    return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim);
-  }
-  return cluster_instance_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim);
+  return with_cache_elem(dtype, config.native_e4m3, [&]<class Elem>() {
+    return cluster_instance_for_dim<Elem>(head_dim);
+  });
 }
 
 // The instance for a validated shape (head_dim 64/128/256, group 1-16).
 DecodeInstance select_instance(int64_t head_dim, int group, KvCacheDtype dtype,
                                const DecodeAttentionConfig& config) {
   const bool async = config.load == DecodeLoadPath::kAsyncCopy;
-  if (dtype != KvCacheDtype::kE4m3) return select_for_dim<ElemF16>(head_dim, group, async);
-  if (config.native_e4m3) {
-    return select_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim, group, async);
-  }
-  return select_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim, group, async);
-}
-
-// Sets a kernel attribute once per (kernel, device, attribute).
-void set_attribute_once(void (*kernel)(DecodeKernelParams), cudaFuncAttribute attribute,
-                        int value) {
-  int device = 0;
-  E4KV_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<std::tuple<void (*)(DecodeKernelParams), int, cudaFuncAttribute>> done;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const std::tuple key{kernel, device, attribute};
-  if (std::find(done.begin(), done.end(), key) != done.end()) return;
-  E4KV_CUDA_CHECK(cudaFuncSetAttribute(kernel, attribute, value));
-  done.push_back(key);
+  return with_cache_elem(dtype, config.native_e4m3, [&]<class Elem>() {
+    return select_for_dim<Elem>(head_dim, group, async);
+  });
 }
 
 // Instances above the default 48 KB of dynamic shared memory must opt in, once per device.
@@ -320,19 +300,8 @@ Result<DecodeClusterMerge> decode_attention_cluster_merge(const KvCacheGeometry&
   E4KV_CUDA_CHECK(cudaSetDevice(device));
   allow_shared_memory(inst);
   allow_cluster_size(inst);
-  cudaLaunchConfig_t lc{};
-  lc.gridDim = dim3(1, unsigned(inst.cluster));
-  lc.blockDim = dim3(unsigned(kDecodeClusterWarps * 32));
-  lc.dynamicSmemBytes = size_t(inst.smem_bytes);
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 1;
-  cluster.val.clusterDim.y = unsigned(inst.cluster);
-  cluster.val.clusterDim.z = 1;
-  lc.attrs = &cluster;
-  lc.numAttrs = 1;
-  int clusters = 0;
-  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, inst.kernel, &lc));
+  const int clusters = max_active_clusters(inst.kernel, unsigned(kDecodeClusterWarps * 32),
+                                           size_t(inst.smem_bytes), unsigned(inst.cluster));
   E4KV_CUDA_CHECK(cudaSetDevice(saved));
   return DecodeClusterMerge{int64_t(clusters), int64_t(inst.cluster) * kDecodeClusterWarps};
 }

@@ -41,11 +41,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <mutex>
-#include <utility>
-#include <vector>
-
 #include "backend/cuda/cluster.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/decode_attention_device.cuh"
@@ -286,23 +281,14 @@ SparseInstance instance_for_dim(int64_t head_dim) {
 SparseInstance select_instance(int64_t head_dim, int64_t group, KvCacheDtype dtype,
                                const DecodeAttentionConfig& config) {
   if (group > 8 || config.load != DecodeLoadPath::kAsyncCopy) return SparseInstance{};
-  if (dtype != KvCacheDtype::kE4m3) return instance_for_dim<ElemF16>(head_dim);
-  if (config.native_e4m3) return instance_for_dim<ElemE4m3<E4m3Decode::kNative>>(head_dim);
-  return instance_for_dim<ElemE4m3<E4m3Decode::kSoftware>>(head_dim);
+  return decode_device::with_cache_elem(dtype, config.native_e4m3, [&]<class Elem>() {
+    return instance_for_dim<Elem>(head_dim);
+  });
 }
 
 // The dynamic shared-memory opt-in, once per (kernel, device).
 void allow_shared_memory(const SparseInstance& inst) {
-  int device = 0;
-  E4KV_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::vector<std::pair<void (*)(SparseDecodeParams), int>> done;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const std::pair key{inst.kernel, device};
-  if (std::find(done.begin(), done.end(), key) != done.end()) return;
-  E4KV_CUDA_CHECK(cudaFuncSetAttribute(inst.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       inst.smem_bytes));
-  done.push_back(key);
+  set_attribute_once(inst.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, inst.smem_bytes);
 }
 
 }  // namespace
@@ -332,18 +318,8 @@ Result<DecodeClusterMerge> qsa_sparse_decode_clusters(const KvCacheGeometry& geo
   int clusters = 0;
   if (attr.binaryVersion >= 90) {  // sm_90 code in this build
     allow_shared_memory(inst);
-    cudaLaunchConfig_t lc{};
-    lc.gridDim = dim3(1, unsigned(kCluster));
-    lc.blockDim = dim3(unsigned(kThreads));
-    lc.dynamicSmemBytes = size_t(inst.smem_bytes);
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 1;
-    cluster.val.clusterDim.y = unsigned(kCluster);
-    cluster.val.clusterDim.z = 1;
-    lc.attrs = &cluster;
-    lc.numAttrs = 1;
-    E4KV_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, inst.kernel, &lc));
+    clusters = max_active_clusters(inst.kernel, unsigned(kThreads), size_t(inst.smem_bytes),
+                                   unsigned(kCluster));
   }
   E4KV_CUDA_CHECK(cudaSetDevice(saved));
   if (clusters <= 0) return DecodeClusterMerge{};
