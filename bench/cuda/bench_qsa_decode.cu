@@ -256,11 +256,13 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
 // the side-by-side against the tensor-core default.
 // --timeline (a build configured with -DE4KV_TIMELINE=ON): no timing; the last KV kind's cold step
 // from one-step CUDA graphs with the in-kernel probes (timeline.cuh), then the same with the top-k
-// run twice; prints when each kernel's CTAs entered, started (after griddepcontrol.wait) and
-// exited, and the top-k's phase marks.
-// --profile: no timing; after the warm-up, one step on each copy with the last KV kind (E4M3
-// native where usable), for a profiler (with ncu filtering the step's four kernels,
-// --launch-skip 6 * copies skips the warm-up).
+// run twice, then the step with the sparse decode kernel; prints when each kernel's CTAs entered,
+// started (after griddepcontrol.wait) and exited, and the phase marks of the top-k or the sparse
+// decode kernel.
+// --profile: no timing; after the warm-up, two steps on each copy with the last KV kind (E4M3
+// native where usable), then two with the sparse decode kernel, for a profiler (ncu -k filtering
+// one kernel with --launch-skip past the warm-up; RESULTS.md session 11 used 30 for the decode
+// and the sparse decode kernels).
 int main(int argc, char** argv) {
   bool profile = false;
   bool exact_scores = false;
