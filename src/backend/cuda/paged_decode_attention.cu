@@ -231,7 +231,10 @@ void allow_cluster_size(const DecodeInstance& inst) {
   set_attribute_once(inst.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
 }
 
-Status check_shape(const KvCacheGeometry& geo, int64_t n_heads) {
+
+}  // namespace
+
+Status check_decode_attention_shape(const KvCacheGeometry& geo, int64_t n_heads) {
   if (geo.head_dim != 64 && geo.head_dim != 128 && geo.head_dim != 256) {
     return Status::error(
         cat("decode attention: head_dim ", geo.head_dim, " is not supported (64, 128 or 256)"));
@@ -246,8 +249,6 @@ Status check_shape(const KvCacheGeometry& geo, int64_t n_heads) {
   }
   return Status();
 }
-
-}  // namespace
 
 bool decode_attention_native_e4m3_usable(int device) {
   if (!e4m3_native_available(device)) return false;
@@ -267,7 +268,7 @@ DecodeAttentionConfig decode_attention_config(int device, bool force_software_e4
 
 Result<int64_t> decode_attention_resident_ctas(const KvCacheGeometry& geo, int64_t n_heads,
                                                const DecodeAttentionConfig& config, int device) {
-  E4KV_RETURN_IF_ERROR(check_shape(geo, n_heads));
+  E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, n_heads));
   const DecodeInstance inst =
       select_instance(geo.head_dim, int(n_heads / geo.n_kv_heads), geo.dtype, config);
   int saved = 0;
@@ -287,7 +288,7 @@ Result<DecodeClusterMerge> decode_attention_cluster_merge(const KvCacheGeometry&
                                                           int64_t n_heads,
                                                           const DecodeAttentionConfig& config,
                                                           int device) {
-  E4KV_RETURN_IF_ERROR(check_shape(geo, n_heads));
+  E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, n_heads));
   if (!cluster_merge_enabled() || compute_capability(device) < 90) return DecodeClusterMerge{};
   const DecodeInstance inst =
       select_cluster_instance(geo.head_dim, int(n_heads / geo.n_kv_heads), geo.dtype, config);
@@ -370,7 +371,7 @@ Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAt
                               const DecodeAttentionConfig& config, cudaStream_t stream) {
   const KvCacheGeometry& geo = params.cache.geometry;
   const int64_t n_rows = params.rows.n_rows;
-  E4KV_RETURN_IF_ERROR(check_shape(geo, params.n_heads));
+  E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, params.n_heads));
   if (plan.keys_per_split <= 0 || plan.keys_per_split % kTileTokens != 0 || plan.n_splits <= 0 ||
       plan.n_splits % kWarpsPerCta != 0) {
     return Status::error("decode attention: bad plan");

@@ -101,6 +101,10 @@ struct DecodeAttentionWorkspace {
   int64_t head_dim = 0;
 };
 
+// OK when the decode kernels take this cache geometry and head count: head_dim 64/128/256, a whole
+// GQA group of at most 16, block_size a multiple of 8; else an error naming what is not.
+Status check_decode_attention_shape(const KvCacheGeometry& geo, int64_t n_heads);
+
 // True when `device` can run the native-E4M3 instance: sm_89+, not forced to software
 // (e4m3_native_available), and this binary holds sm_89+ code for it (not only older PTX).
 bool decode_attention_native_e4m3_usable(int device);

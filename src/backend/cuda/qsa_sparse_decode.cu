@@ -296,14 +296,7 @@ void allow_shared_memory(const SparseInstance& inst) {
 Result<DecodeClusterMerge> qsa_sparse_decode_clusters(const KvCacheGeometry& geo, int64_t n_heads,
                                                       const DecodeAttentionConfig& config,
                                                       int device) {
-  if (geo.head_dim != 64 && geo.head_dim != 128 && geo.head_dim != 256) {
-    return Status::error(
-        cat("qsa sparse decode: head_dim ", geo.head_dim, " is not supported (64, 128 or 256)"));
-  }
-  if (geo.n_kv_heads <= 0 || n_heads % geo.n_kv_heads != 0 || n_heads / geo.n_kv_heads > 16) {
-    return Status::error(cat("qsa sparse decode: GQA group ", n_heads, "/", geo.n_kv_heads,
-                             " is not supported (a whole group of at most 16)"));
-  }
+  E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, n_heads));
   if (!qsa_sparse_decode_enabled() || compute_capability(device) < 90) {
     return DecodeClusterMerge{};
   }
@@ -380,14 +373,9 @@ Status qsa_sparse_decode(const QsaSparseDecodeArgs& args, const DecodeAttentionP
     return Status::error(
         "qsa sparse decode: q must be 16-byte aligned (it is read 16 bytes at a time)");
   }
-  if (geo.block_size <= 0 || geo.block_size % 8 != 0) {
-    return Status::error(
-        cat("qsa sparse decode: block_size ", geo.block_size, " is not a multiple of 8"));
-  }
+  E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, pa.n_heads));
   const SparseInstance inst =
-      geo.n_kv_heads > 0
-          ? select_instance(geo.head_dim, pa.n_heads / geo.n_kv_heads, geo.dtype, config)
-          : SparseInstance{};
+      select_instance(geo.head_dim, pa.n_heads / geo.n_kv_heads, geo.dtype, config);
   int device = 0;
   E4KV_CUDA_CHECK(cudaGetDevice(&device));
   if (inst.kernel == nullptr || compute_capability(device) < 90 || !plan.merge_in_cluster ||
@@ -397,10 +385,6 @@ Status qsa_sparse_decode(const QsaSparseDecodeArgs& args, const DecodeAttentionP
         "qsa sparse decode: the plan is not plan_qsa_sparse_decode's for this shape, or this "
         "shape, config or device has no sparse decode kernel (qsa_sparse_decode_clusters reports "
         "none): run qsa_top_k_select and paged_decode_attention");
-  }
-  if (pa.n_heads % geo.n_kv_heads != 0) {
-    return Status::error(cat("qsa sparse decode: GQA group ", pa.n_heads, "/", geo.n_kv_heads,
-                             " is not a whole group"));
   }
   SparseDecodeParams kp{};
   kp.select.row_seq = sa.rows.row_seq;
