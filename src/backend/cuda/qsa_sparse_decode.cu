@@ -157,7 +157,7 @@ __device__ __forceinline__ bool keys_from_candidates(const FilterKernelParams& p
   return true;
 }
 
-// Step 2's other path, out of line (rare; it would crowd the common path's instruction cache).
+// Step 2's other path, out of line: rare, and kept apart from the common path's code.
 __device__ __noinline__ void emit_slow(const FilterKernelParams& p, int64_t row,
                                        const ClusterSelection& r, uint32_t* smem,
                                        ClusterShared<kThreads>& sh, int32_t* out) {
