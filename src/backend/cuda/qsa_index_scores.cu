@@ -542,8 +542,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 //   - persistent warps in one wave (each walks a contiguous range of tiles, loads its row's
 //     metadata once and the next tile's block-table entries while the current rows are in flight),
 //     against this grid's two waves: 156 registers, 12 warps per SM, 3 tiles per warp: 12.6 against
-//     12.8 us at 4 x 32K groups, 40.6 against 41.2 us at 16 x 32K, within the spread (step 30.3
-//     against 30.4 us); capped at 128 registers for 16 warps per SM (2 tiles per warp, 52 bytes
+//     12.8 us at 4 x 32K groups (step 30.3 against 30.4 us), 40.6 against 40.1-41.2 us at 16 x 32K,
+//     within the spread; capped at 128 registers for 16 warps per SM (2 tiles per warp, 52 bytes
 //     spilled): 13.7-13.9 us. Not kept (2026-12-01).
 constexpr int kMmaTileGroups = 32;
 constexpr int kMmaWarps = 4;
