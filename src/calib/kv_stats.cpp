@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
 #include "core/half.h"
 
 namespace e4kv {
@@ -617,36 +618,12 @@ Result<KvStats> parse_kv_stats(std::string_view text, const std::string& source)
 }
 
 Result<KvStats> read_kv_stats(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open the statistics file"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path.string(), ": read error"));
-  return parse_kv_stats(text.str(), path.string());
+  E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
+  return parse_kv_stats(text, path.string());
 }
 
 Status write_kv_stats(const std::filesystem::path& path, const KvStats& stats) {
-  const std::string text = kv_stats_to_jsonl(stats);
-  const std::filesystem::path tmp =
-      path.parent_path() / cat(".", path.filename().string(), ".tmp.", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::error(cat(path.string(), ": cannot write (", tmp.string(), ")"));
-    out.write(text.data(), std::streamsize(text.size()));
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      return Status::error(cat(path.string(), ": write failed"));
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    return Status::error(cat(path.string(), ": cannot rename the temporary file: ", ec.message()));
-  }
-  return ok_status();
+  return write_file_atomic(path, kv_stats_to_jsonl(stats));
 }
 
 }  // namespace e4kv

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
 #include "e4kv/e4m3.h"
 
 namespace e4kv {
@@ -560,32 +561,6 @@ std::string report_svg(const Summary& summary) {
 // ---- files
 // ---------------------------------------------------------------------------------------
 
-namespace {
-
-Status write_file_atomic(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path tmp =
-      path.parent_path() / cat(".", path.filename().string(), ".tmp.", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::error(cat(path.string(), ": cannot write"));
-    out.write(text.data(), std::streamsize(text.size()));
-    out.flush();
-    if (!out) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      return Status::error(cat(path.string(), ": write failed"));
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    return Status::error(cat(path.string(), ": cannot rename the temporary file: ", ec.message()));
-  }
-  return ok_status();
-}
-
-}  // namespace
 
 Status write_report(const std::filesystem::path& dir, const Summary& summary) {
   std::error_code ec;

@@ -1,24 +1,19 @@
 #include "calib/scales_file.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
 #include "kv/scale_keys.h"
 
 namespace e4kv {
@@ -67,10 +62,6 @@ Status check_scale_value(const std::string& source, const std::string& key, floa
         cat(source, ": scale \"", key, "\" = ", value, " is not > 0; every scale must be > 0"));
   }
   return ok_status();
-}
-
-std::string errno_text(int error) {
-  return std::strerror(error);
 }
 
 }  // namespace
@@ -179,18 +170,13 @@ Result<ScalesFile> parse_scales_file(std::string_view json_text, const std::stri
 }
 
 Result<ScalesFile> read_scales_file(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> text, read_optional_file(path));
+  if (!text) {
     return Status::error(cat(path.string(),
-                             ": scales file not found (or not a regular file); make one with e4kv "
-                             "summarize STATS... --out scales.json"));
+                             ": scales file not found; make one with e4kv summarize STATS... "
+                             "--out scales.json"));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path.string(), ": read failed"));
-  return parse_scales_file(text.str(), path.string());
+  return parse_scales_file(*text, path.string());
 }
 
 Status write_scales_file(const std::filesystem::path& path, const ScalesFile& file) {
@@ -229,47 +215,7 @@ Status write_scales_file(const std::filesystem::path& path, const ScalesFile& fi
   root["source"] = std::move(source_object);
   const std::string text = root.dump(2) + "\n";
 
-  static std::atomic<uint64_t> counter{0};
-  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
-  const std::filesystem::path temp =
-      dir / cat(".", path.filename().string(), ".tmp.", ::getpid(), ".", counter.fetch_add(1));
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  if (fd < 0) {
-    return Status::error(
-        cat(target, ": cannot create the temporary file ", temp.string(), ": ", errno_text(errno)));
-  }
-  auto fail = [&](std::string message) {
-    ::close(fd);
-    ::unlink(temp.c_str());
-    return Status::error(std::move(message));
-  };
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return fail(cat(temp.string(), ": write failed: ", errno_text(errno)));
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) return fail(cat(temp.string(), ": cannot sync: ", errno_text(errno)));
-  if (::close(fd) != 0) {
-    ::unlink(temp.c_str());
-    return Status::error(cat(temp.string(), ": close failed: ", errno_text(errno)));
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(temp.c_str());
-    return Status::error(
-        cat(target, ": cannot move ", temp.string(), " into place: ", errno_text(error)));
-  }
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0)
-    return Status::error(cat(dir.string(), ": cannot open to sync: ", errno_text(errno)));
-  const int synced = ::fsync(dir_fd);
-  const int sync_error = errno;
-  ::close(dir_fd);
-  if (synced != 0)
-    return Status::error(cat(dir.string(), ": cannot sync: ", errno_text(sync_error)));
-  return ok_status();
+  return write_file_atomic(path, text);
 }
 
 }  // namespace e4kv

@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/file_io.h"
+
 namespace e4kv {
 
 MappedFile::~MappedFile() {
@@ -37,29 +39,17 @@ void MappedFile::reset() {
 }
 
 Result<MappedFile> MappedFile::open(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return Status::error(cat(path.string(), ": cannot open: ", std::strerror(errno)));
-  }
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::error(cat(path.string(), ": cannot stat: ", std::strerror(err)));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::error(cat(path.string(), ": not a regular file"));
-  }
+  uint64_t size = 0;
+  E4KV_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, &size));
   MappedFile file;
-  file.size_ = static_cast<size_t>(st.st_size);
+  file.size_ = static_cast<size_t>(size);
   if (file.size_ > 0) {
     void* addr = mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (addr == MAP_FAILED) {
       int err = errno;
       ::close(fd);
       file.size_ = 0;
-      return Status::error(cat(path.string(), ": cannot map: ", std::strerror(err)));
+      return Status::error(cat(path.string(), ": cannot map: ", errno_message(err)));
     }
     file.data_ = static_cast<const std::byte*>(addr);
   }

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <vector>
 
+#include "core/file_io.h"
+
 namespace e4kv {
 
 struct Sha256::Impl {
@@ -67,17 +69,14 @@ std::string sha256_hex(std::string_view text) {
 }
 
 Result<std::string> sha256_file(const std::filesystem::path& path, const HashProgress& progress) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return Status::error(cat(path.string(), ": cannot open for hashing: ", std::strerror(errno)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const int fd, open_regular_file(path));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
   const off_t end = ::lseek(fd, 0, SEEK_END);
   if (end < 0 || ::lseek(fd, 0, SEEK_SET) != 0) {
-    return Status::error(cat(path.string(), ": cannot seek: ", std::strerror(errno)));
+    return Status::error(cat(path.string(), ": cannot seek: ", errno_message(errno)));
   }
   const uint64_t total = static_cast<uint64_t>(end);
   constexpr size_t kChunk = size_t(4) << 20;
@@ -90,7 +89,7 @@ Result<std::string> sha256_file(const std::filesystem::path& path, const HashPro
     if (n < 0) {
       if (errno == EINTR) continue;
       return Status::error(
-          cat(path.string(), ": read failed while hashing: ", std::strerror(errno)));
+          cat(path.string(), ": read failed while hashing: ", errno_message(errno)));
     }
     if (n == 0) break;
     hash.update(std::span<const std::byte>(buffer.data(), static_cast<size_t>(n)));

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
+
 namespace e4kv {
 namespace {
 
@@ -30,18 +32,6 @@ bool is_plain_file_name(std::string_view name) {
   return true;
 }
 
-Result<std::string> read_file(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) {
-    return Status::error(cat(path.string(), ": not a regular file"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path.string(), ": read failed"));
-  return text.str();
-}
 
 struct IndexEntry {
   std::string tensor;

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
+
 namespace e4kv {
 namespace {
 
@@ -28,16 +30,12 @@ Status add_ids(const json& value, const std::string& where, std::vector<int32_t>
 }
 
 Status read_file_ids(const std::filesystem::path& path, bool required, std::vector<int32_t>& ids) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> text, read_optional_file(path));
+  if (!text) {
     if (required) return Status::error(cat(path.string(), ": file not found"));
     return ok_status();
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  const json root = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  const json root = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) {
     return Status::error(cat(path.string(), ": not a valid JSON object"));
   }

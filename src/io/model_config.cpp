@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/file_io.h"
+
 namespace e4kv {
 namespace {
 
@@ -151,21 +153,6 @@ std::string parse_error_text(const nlohmann::json::parse_error& e) {
   return text;
 }
 
-Result<std::string> read_text_file(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) {
-    return Status::error(cat(path.string(), ": file not found"));
-  }
-  if (std::filesystem::is_directory(path, ec)) {
-    return Status::error(cat(path.string(), ": is a directory, expected a file"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path.string(), ": read failed"));
-  return text.str();
-}
 
 // Fills `rope` from one rope-parameter object (v5 "rope_parameters" or v4 "rope_scaling").
 Status read_rope_fields(const Fields& fields, RopeConfig& rope) {
@@ -561,7 +548,7 @@ Result<ModelConfig> parse_model_config(std::string_view json_text, const std::st
 
 Result<ModelConfig> load_model_config(const std::filesystem::path& model_dir) {
   const std::filesystem::path path = model_dir / "config.json";
-  E4KV_ASSIGN_OR_RETURN(std::string text, read_text_file(path));
+  E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
   return parse_model_config(text, path.string());
 }
 

@@ -8,9 +8,18 @@
 
 namespace e4kv {
 
+Status validate_block_size(int64_t block_size) {
+  if (block_size <= 0 || block_size % 16 != 0 || block_size > kMaxBlockSize) {
+    return Status::error(cat("block size ", block_size,
+                             " is not a positive multiple of 16 no larger than ", kMaxBlockSize,
+                             " (try 16, 32 or 64)"));
+  }
+  return ok_status();
+}
+
 int64_t blocks_for_tokens(int64_t n_tokens, int64_t block_size) {
   E4KV_ASSERT(n_tokens >= 0 && block_size > 0, "blocks_for_tokens: bad arguments");
-  return (n_tokens + block_size - 1) / block_size;
+  return n_tokens / block_size + (n_tokens % block_size != 0 ? 1 : 0);
 }
 
 BlockAllocator::BlockAllocator(int64_t n_blocks, int64_t block_size) : block_size_(block_size) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/status.h"
 #include "kv/kv_cache_view.h"
 
 namespace e4kv {
@@ -32,7 +33,15 @@ struct BlockCopy {
   int32_t dst = -1;
 };
 
-// Blocks needed for n_tokens tokens: ceil(n_tokens / block_size).
+// The largest block e4kv accepts. Blocks are pages of the paged cache: vLLM uses 16-128 tokens, and
+// a block larger than this only wastes the tail of every sequence.
+inline constexpr int64_t kMaxBlockSize = 1024;
+
+// ok when block_size is a positive multiple of 16 no larger than kMaxBlockSize; otherwise an error
+// that says so ("block size X is not ...").
+Status validate_block_size(int64_t block_size);
+
+// Blocks needed for n_tokens tokens: ceil(n_tokens / block_size), for any n_tokens >= 0.
 int64_t blocks_for_tokens(int64_t n_tokens, int64_t block_size);
 
 class BlockAllocator {

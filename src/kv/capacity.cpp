@@ -1,8 +1,10 @@
 #include "kv/capacity.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/check.h"
+#include "core/checked.h"
 #include "kv/block_allocator.h"
 
 namespace e4kv {
@@ -31,10 +33,7 @@ int64_t KvCacheLayout::ring_bytes_per_seq() const {
 
 Result<KvCacheLayout> kv_cache_layout(const ModelConfig& config, int64_t block_size,
                                       int64_t ring_cap) {
-  if (block_size <= 0 || block_size % 16 != 0) {
-    return Status::error(
-        cat("block size ", block_size, " is not a positive multiple of 16 (try 16, 32 or 64)"));
-  }
+  E4KV_RETURN_IF_ERROR(validate_block_size(block_size));
   KvCacheLayout layout;
   layout.block_size = block_size;
   layout.n_kv_layers = static_cast<int64_t>(config.kv_cache_layers().size());
@@ -65,16 +64,43 @@ Result<KvCacheLayout> kv_cache_layout(const ModelConfig& config, int64_t block_s
           cat("raw ring capacity ", ring_cap, " is below the QSA compress ratio ", layout.ratio));
     }
   }
+  // Every byte count the layout reports, checked once here so its accessors cannot overflow. The
+  // FP16 block is the larger one.
+  const std::optional<int64_t> main_block =
+      checked_product({layout.n_kv_layers, block_size, 2, layout.n_kv_heads, layout.head_dim,
+                       static_cast<int64_t>(kv_cache_elem_bytes(KvCacheDtype::kF16))});
+  const std::optional<int64_t> index_block =
+      layout.n_qsa_layers == 0
+          ? std::optional<int64_t>(0)
+          : checked_product({layout.n_qsa_layers, block_size / std::max<int64_t>(1, layout.ratio),
+                             layout.index_dim, 2});
+  const std::optional<int64_t> ring =
+      checked_product({layout.n_qsa_layers, layout.ring_cap, layout.index_dim, 2});
+  if (!main_block || !index_block || !ring || !checked_add(*main_block, *index_block)) {
+    return Status::error(cat("the KV cache geometry (", layout.n_kv_layers, " KV layers x ",
+                             layout.n_kv_heads, " KV heads x head_dim ", layout.head_dim,
+                             ", block size ", block_size,
+                             ") gives block sizes that do not fit in 64 bits; the config's sizes "
+                             "are not those of a real model"));
+  }
   return layout;
 }
 
-KvCapacity kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype, int64_t budget_bytes,
-                       int64_t reserved_seqs) {
-  E4KV_ASSERT(budget_bytes >= 0 && reserved_seqs >= 0, "kv_capacity: negative budget or seqs");
+Result<KvCapacity> kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype,
+                               int64_t budget_bytes, int64_t reserved_seqs) {
+  if (budget_bytes < 0) return Status::error(cat("a negative memory budget: ", budget_bytes));
+  if (reserved_seqs < 0) {
+    return Status::error(cat("a negative number of reserved sequences: ", reserved_seqs));
+  }
   const int64_t block_bytes = layout.block_bytes(dtype);
   E4KV_ASSERT(block_bytes > 0, "kv_capacity: empty block");
-  const int64_t pool =
-      std::max<int64_t>(0, budget_bytes - reserved_seqs * layout.ring_bytes_per_seq());
+  const std::optional<int64_t> rings = checked_mul(reserved_seqs, layout.ring_bytes_per_seq());
+  if (!rings || *rings > budget_bytes) {
+    return Status::error(cat("the QSA raw rings of ", reserved_seqs, " sequences need ",
+                             rings ? cat(*rings, " bytes") : std::string("more than 2^63 bytes"),
+                             ", more than the budget of ", budget_bytes, " bytes"));
+  }
+  const int64_t pool = budget_bytes - *rings;
   KvCapacity capacity;
   capacity.n_blocks = pool / block_bytes;
   capacity.n_tokens = capacity.n_blocks * layout.block_size;
@@ -82,13 +108,22 @@ KvCapacity kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype, int64_t 
   return capacity;
 }
 
-RequestConcurrency request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
-                                       int64_t budget_bytes, int64_t request_tokens) {
-  E4KV_ASSERT(request_tokens > 0, "request_concurrency: request_tokens must be positive");
+Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
+                                               int64_t budget_bytes, int64_t request_tokens) {
+  if (request_tokens <= 0) {
+    return Status::error(cat("a request of ", request_tokens, " tokens; it must be positive"));
+  }
   RequestConcurrency out;
   out.blocks_per_request = blocks_for_tokens(request_tokens, layout.block_size);
-  out.bytes_per_request =
-      out.blocks_per_request * layout.block_bytes(dtype) + layout.ring_bytes_per_seq();
+  const std::optional<int64_t> blocks_bytes =
+      checked_mul(out.blocks_per_request, layout.block_bytes(dtype));
+  const std::optional<int64_t> bytes =
+      blocks_bytes ? checked_add(*blocks_bytes, layout.ring_bytes_per_seq()) : std::nullopt;
+  if (!bytes) {
+    return Status::error(cat("a request of ", request_tokens,
+                             " tokens needs more than 2^63 bytes of KV cache"));
+  }
+  out.bytes_per_request = *bytes;
   out.max_concurrency =
       static_cast<double>(budget_bytes) / static_cast<double>(out.bytes_per_request);
   out.max_requests = budget_bytes / out.bytes_per_request;

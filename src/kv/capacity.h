@@ -50,7 +50,8 @@ struct KvCacheLayout {
 };
 
 // The layout of `config`'s cache; ring_cap 0 means one ring slot per key of a group (= ratio).
-// Errors (for user input: --block-size, a config without KV layers) name the problem.
+// Errors (for user input: the block size, a config without KV layers, sizes whose products do not
+// fit in 64 bits) name the problem. Every byte count of a returned layout fits in int64.
 Result<KvCacheLayout> kv_cache_layout(const ModelConfig& config, int64_t block_size,
                                       int64_t ring_cap = 0);
 
@@ -60,9 +61,10 @@ struct KvCapacity {
   int64_t pool_bytes = 0;  // n_blocks * block_bytes
 };
 
-// Whole blocks that fit in budget_bytes after the rings of reserved_seqs sequences.
-KvCapacity kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype, int64_t budget_bytes,
-                       int64_t reserved_seqs = 1);
+// Whole blocks that fit in budget_bytes (>= 0) after the rings of reserved_seqs (>= 0) sequences.
+// Error when those rings alone need more than the budget.
+Result<KvCapacity> kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype,
+                               int64_t budget_bytes, int64_t reserved_seqs = 1);
 
 struct RequestConcurrency {
   int64_t blocks_per_request = 0;  // ceil(request_tokens / block_size)
@@ -72,8 +74,9 @@ struct RequestConcurrency {
 };
 
 // How many requests of request_tokens tokens (prompt + output) fit in the budget at once, each with
-// its own blocks (no prefix sharing) and its own raw rings.
-RequestConcurrency request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
-                                       int64_t budget_bytes, int64_t request_tokens);
+// its own blocks (no prefix sharing) and its own raw rings. Error when request_tokens is not
+// positive or one request's bytes do not fit in int64.
+Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
+                                               int64_t budget_bytes, int64_t request_tokens);
 
 }  // namespace e4kv

@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "core/checked.h"
+#include "core/file_io.h"
+#include "kv/block_allocator.h"
 #include "kv/scale_keys.h"
 
 namespace e4kv {
@@ -55,11 +60,8 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 // Reads the fields of config.json that ModelConfig does not keep (activation, MLP bias).
 Status check_dense_extras(const Checkpoint& ckpt) {
   const std::filesystem::path path = ckpt.dir() / "config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  json root = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
+  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!root.is_object()) return Status::error(cat(path.string(), ": not a JSON object"));
   const json* object = &root;
   if (root.contains("text_config") && root["text_config"].is_object()) {
@@ -166,13 +168,9 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   model->backend_ = &backend;
   DenseModelOptions& opts = model->options_;
   opts = options;
-  if (opts.block_size <= 0 || opts.block_size % 16 != 0) {
-    return Status::error(
-        cat("--block-size must be a positive multiple of 16, got ", opts.block_size));
-  }
-  if (opts.n_blocks <= 0) {
-    return Status::error(
-        cat("the KV cache needs at least one block, got n_blocks ", opts.n_blocks));
+  E4KV_RETURN_IF_ERROR(validate_block_size(opts.block_size));
+  if (opts.n_blocks <= 0 || opts.n_blocks > std::numeric_limits<int32_t>::max()) {
+    return Status::error(cat("the KV cache needs 1 to 2^31 - 1 blocks, got ", opts.n_blocks));
   }
   if (opts.max_model_len <= 0) opts.max_model_len = config.max_position_embeddings;
   if (opts.max_model_len <= 0) {
@@ -313,11 +311,19 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   geometry.n_kv_heads = config.n_kv_heads;
   geometry.head_dim = config.head_dim;
   geometry.dtype = opts.kv_cache_dtype;
+  const std::optional<int64_t> layer_cache_bytes =
+      checked_product({geometry.n_blocks, 2, geometry.block_size, geometry.n_kv_heads,
+                       geometry.head_dim, int64_t(kv_cache_elem_bytes(geometry.dtype))});
+  if (!layer_cache_bytes || !checked_mul(*layer_cache_bytes, config.n_layers)) {
+    return Status::error(cat("a KV cache of ", opts.n_blocks, " blocks of ", opts.block_size,
+                             " tokens needs more than 2^63 bytes; use a shorter max model length"));
+  }
   for (int64_t i = 0; i < config.n_layers; ++i) {
     Result<BackendBuffer> cache = backend.allocate(geometry.total_bytes());
     if (!cache.ok()) {
-      return Status::error(cat("KV cache of layer ", i, " (", geometry.total_bytes(),
-                               " bytes): ", cache.message(), "; use fewer blocks"));
+      return Status::error(cat("KV cache of layer ", i, " (", opts.n_blocks, " blocks, ",
+                               geometry.total_bytes(), " bytes): ", cache.message(),
+                               "; use a shorter max model length"));
     }
     model->caches_.push_back(std::move(cache).value());
   }

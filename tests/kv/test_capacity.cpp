@@ -57,18 +57,18 @@ TEST(Capacity, SeedShapesTokensForOneGib) {
   const KvCacheLayout layout = kv_cache_layout(seed_config(), 64).value();
   // pool = 1,073,741,824 - 12,288 (one sequence's rings) = 1,073,729,536 bytes.
   // FP16: 661 * 1,622,016 = 1,072,152,576 <= pool < 662 * 1,622,016 -> 661 blocks, 42,304 tokens.
-  const KvCapacity f16 = kv_capacity(layout, KvCacheDtype::kF16, kGib);
+  const KvCapacity f16 = *kv_capacity(layout, KvCacheDtype::kF16, kGib);
   EXPECT_EQ(f16.n_blocks, 661);
   EXPECT_EQ(f16.n_tokens, 42304);
   EXPECT_EQ(f16.pool_bytes, 1072152576);
   // E4M3: 1285 * 835,584 = 1,073,725,440 <= pool (4,096 bytes to spare) -> 1285 blocks, 82,240.
-  const KvCapacity e4m3 = kv_capacity(layout, KvCacheDtype::kE4m3, kGib);
+  const KvCapacity e4m3 = *kv_capacity(layout, KvCacheDtype::kE4m3, kGib);
   EXPECT_EQ(e4m3.n_blocks, 1285);
   EXPECT_EQ(e4m3.n_tokens, 82240);
   // Two sequences' rings (24,576 bytes) leave 1,073,717,248 < 1,073,725,440: one block fewer.
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 2).n_blocks, 1284);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 2)->n_blocks, 1284);
   // No reservation: 1,073,741,824 / 835,584 -> still 1285 (16,384 to spare).
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 0).n_blocks, 1285);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 0)->n_blocks, 1285);
 
   const double ratio = double(e4m3.n_tokens) / double(f16.n_tokens);
   // Asymptotically 2112 / 1088 = 33 / 17 = 1.941176...; whole blocks at 1 GiB give 1.944.
@@ -89,13 +89,13 @@ TEST(Capacity, SeedShapesConcurrencyFor128kRequests) {
   const int64_t budget = 40 * kGib;  // 42,949,672,960 bytes
   // ceil(128001 / 64) = 2001 blocks per request.
   // FP16: 2001 * 1,622,016 + 12,288 = 3,245,666,304 bytes; 42,949,672,960 / that = 13.23 -> 13.
-  const RequestConcurrency f16 = request_concurrency(layout, KvCacheDtype::kF16, budget, 128001);
+  const RequestConcurrency f16 = *request_concurrency(layout, KvCacheDtype::kF16, budget, 128001);
   EXPECT_EQ(f16.blocks_per_request, 2001);
   EXPECT_EQ(f16.bytes_per_request, 3245666304);
   EXPECT_EQ(f16.max_requests, 13);
   EXPECT_NEAR(f16.max_concurrency, 42949672960.0 / 3245666304.0, 1e-9);
   // E4M3: 2001 * 835,584 + 12,288 = 1,672,015,872 bytes -> 25.69 -> 25 requests.
-  const RequestConcurrency e4m3 = request_concurrency(layout, KvCacheDtype::kE4m3, budget, 128001);
+  const RequestConcurrency e4m3 = *request_concurrency(layout, KvCacheDtype::kE4m3, budget, 128001);
   EXPECT_EQ(e4m3.bytes_per_request, 1672015872);
   EXPECT_EQ(e4m3.max_requests, 25);
   EXPECT_NEAR(e4m3.max_concurrency, 42949672960.0 / 1672015872.0, 1e-9);
@@ -109,9 +109,9 @@ TEST(Capacity, SmallerBlocksCountTheSameBytesPerToken) {
   EXPECT_EQ(layout.block_bytes(KvCacheDtype::kF16), 405504);
   EXPECT_EQ(layout.block_bytes(KvCacheDtype::kE4m3), 208896);
   // (1,073,741,824 - 12,288) / 405,504 = 2647.9 -> 2647 blocks, 42,352 tokens.
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, kGib).n_tokens, 42352);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, kGib)->n_tokens, 42352);
   // (1,073,741,824 - 12,288) / 208,896 = 5140.0 (5140 * 208,896 = 1,073,725,440) -> 82,240 tokens.
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib).n_tokens, 82240);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib)->n_tokens, 82240);
 }
 
 TEST(Capacity, DenseModelHasNoIndexerOverhead) {
@@ -127,14 +127,14 @@ TEST(Capacity, DenseModelHasNoIndexerOverhead) {
   EXPECT_EQ(layout.block_bytes(KvCacheDtype::kE4m3), 131072);
   EXPECT_EQ(layout.ring_bytes_per_seq(), 0);
   // 1 MiB: 4 FP16 blocks (64 tokens), 8 E4M3 blocks (128 tokens): exactly 2x.
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, 1 << 20).n_tokens, 64);
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, 1 << 20).n_tokens, 128);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, 1 << 20)->n_tokens, 64);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, 1 << 20)->n_tokens, 128);
   // 100-token requests: 7 blocks; 1 MiB / (7 * 131,072) = 1.14 -> 1 request.
-  const RequestConcurrency c = request_concurrency(layout, KvCacheDtype::kE4m3, 1 << 20, 100);
+  const RequestConcurrency c = *request_concurrency(layout, KvCacheDtype::kE4m3, 1 << 20, 100);
   EXPECT_EQ(c.blocks_per_request, 7);
   EXPECT_EQ(c.max_requests, 1);
   // A budget below one block holds nothing.
-  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, 262143).n_blocks, 0);
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kF16, 262143)->n_blocks, 0);
 }
 
 TEST(Capacity, RejectsBadBlockSizesAndModelsWithoutKvCache) {
