@@ -229,11 +229,11 @@ TEST(CliSummarize, ErrorsAreOneLine) {
   // An envelope of the other model.
   const fs::path llama_scales = tmp.path() / "llama_scales.json";
   expect_ok(run_cli(tmp.path(), {"summarize", llama_stats.string(), "--out", llama_scales.string(),
-                                 "--report", report}),
+                                 "--report", report, "--force"}),
             "llama summarize");
   expect_one_line_error(
       run_cli(tmp.path(), {"summarize", p.stats0.string(), "--envelope", llama_scales.string(),
-                           "--out", out.string(), "--report", report}),
+                           "--out", out.string(), "--report", report, "--force"}),
       "the envelope's keys differ");
   EXPECT_FALSE(fs::exists(out));  // nothing written on failure
   // synth-stats arguments.
