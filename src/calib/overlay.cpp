@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <sstream>
 #include <utility>
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "calib/scales_file.h"
+#include "core/file_io.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -35,7 +37,7 @@ using OrderedJson = nlohmann::ordered_json;
 constexpr std::string_view kTempMarker = ".e4kv-overlay-tmp.";
 
 std::string errno_text(int error) {
-  return std::strerror(error);
+  return errno_message(error);
 }
 
 // The test hook described in overlay.h.
@@ -53,15 +55,6 @@ bool path_within(const fs::path& inner, const fs::path& outer) {
     if (i == inner.end() || *i != *o) return false;
   }
   return true;
-}
-
-Result<std::string> read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path.string(), ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path.string(), ": read failed"));
-  return text.str();
 }
 
 Status sync_path(const fs::path& path, bool directory) {
@@ -163,56 +156,45 @@ std::vector<fs::path> remove_stale_temp_dirs(const fs::path& parent, const std::
 
 struct BaseFile {
   std::string name;  // relative to the base directory
-  std::string role;  // "index" | "config" | "shard"
+  std::string role;  // "index" | "config" | "generation" | "tokenizer" | "shard"
   uint64_t bytes = 0;
+  bool hashed = true;  // false: recorded by size only (--hash index-config)
   std::string sha256;
 };
 
-Status link_entry(const fs::path& source, const fs::path& target, OverlayLinkMode mode);
-
-// Hard links or copies every entry below `source` into the new directory `target`.
-Status link_tree(const fs::path& source, const fs::path& target, OverlayLinkMode mode) {
-  std::error_code ec;
-  fs::create_directory(target, ec);
-  if (ec) return Status::error(cat(target.string(), ": cannot create directory: ", ec.message()));
-  ec.clear();
-  for (const fs::directory_entry& entry : fs::directory_iterator(source, ec)) {
-    E4KV_RETURN_IF_ERROR(link_entry(entry.path(), target / entry.path().filename(), mode));
+// The text of a std::error_code from the filesystem library, as errno_message writes it.
+std::string ec_text(const std::error_code& ec) {
+  if (ec.category() == std::generic_category() || ec.category() == std::system_category()) {
+    return errno_message(ec.value());
   }
-  if (ec) return Status::error(cat(source.string(), ": cannot list: ", ec.message()));
-  return ok_status();
+  return ec.message();
 }
 
-// One base entry into the derived directory. Symbolic links point at the base's own path (so an
-// HF cache snapshot's links keep resolving); hard links and copies take the file the base's path
-// resolves to (a hard link to a relative symbolic link would dangle).
-Status link_entry(const fs::path& source, const fs::path& target, OverlayLinkMode mode) {
+// The walk of the base for --link hardlink and copy (the rules are at the top of overlay.h).
+struct LinkWalk {
+  fs::path base;     // canonical
+  fs::path derived;  // the temporary directory
+  OverlayLinkMode mode = OverlayLinkMode::kCopy;
+  // Checks only, creating nothing: make_overlay walks once so before it creates anything (a refused
+  // link leaves no trace), then again to link.
+  bool dry_run = false;
+  std::set<std::pair<dev_t, ino_t>> walked;  // directories entered
+};
+
+std::string mode_flag(OverlayLinkMode mode) {
+  return cat("--link ", overlay_link_mode_name(mode));
+}
+
+// Hard-links or copies the regular file `file` (already resolved) to `target`.
+Status link_file(const LinkWalk& walk, const fs::path& file, const fs::path& target) {
+  if (walk.dry_run) return ok_status();
+  const OverlayLinkMode mode = walk.mode;
   std::error_code ec;
-  if (mode == OverlayLinkMode::kSymlink) {
-    fs::create_symlink(source, target, ec);
-    if (ec) {
-      return Status::error(cat(target.string(), ": cannot create a symbolic link to ",
-                               source.string(), ": ", ec.message()));
-    }
-    return ok_status();
-  }
-  const fs::path resolved = fs::canonical(source, ec);
-  if (ec) {
-    return Status::error(cat(source.string(), ": cannot resolve (a broken symbolic link?): ",
-                             ec.message(), "; fix the base or use --link symlink"));
-  }
-  const fs::file_status status = fs::status(resolved, ec);
-  if (fs::is_directory(status)) return link_tree(resolved, target, mode);
-  if (!fs::is_regular_file(status)) {
-    return Status::error(cat(source.string(),
-                             ": not a regular file or directory; remove it from the base or use "
-                             "--link symlink"));
-  }
   if (mode == OverlayLinkMode::kHardlink) {
-    fs::create_hard_link(resolved, target, ec);
+    fs::create_hard_link(file, target, ec);
     if (ec) {
-      return Status::error(cat(target.string(), ": cannot hard-link ", resolved.string(), ": ",
-                               ec.message(),
+      return Status::error(cat(target.string(), ": cannot hard-link ", file.string(), ": ",
+                               ec_text(ec),
                                ec == std::errc::cross_device_link
                                    ? "; the output must be on the base's filesystem for --link "
                                      "hardlink (use --link symlink or copy)"
@@ -220,14 +202,143 @@ Status link_entry(const fs::path& source, const fs::path& target, OverlayLinkMod
     }
     return ok_status();
   }
-  fs::copy_file(resolved, target, fs::copy_options::none, ec);
+  fs::copy_file(file, target, fs::copy_options::none, ec);
   if (ec) {
-    return Status::error(
-        cat(target.string(), ": cannot copy ", resolved.string(), ": ", ec.message()));
+    return Status::error(cat(target.string(), ": cannot copy ", file.string(), ": ", ec_text(ec)));
   }
   return sync_path(target, false);
 }
 
+Status link_walk_entry(LinkWalk& walk, const fs::path& rel);
+
+// A real directory of the base: recreated and walked, once.
+Status link_walk_directory(LinkWalk& walk, const fs::path& rel, const struct stat& st) {
+  const fs::path source = walk.base / rel;
+  if (!walk.walked.emplace(st.st_dev, st.st_ino).second) {
+    return Status::error(cat(source.string(),
+                             ": this directory is reached a second time (a bind mount loop?); "
+                             "remove the loop from the base or use --link symlink"));
+  }
+  const fs::path target = walk.derived / rel;
+  if (!walk.dry_run && ::mkdir(target.c_str(), 0755) != 0) {
+    return Status::error(cat(target.string(), ": cannot create directory: ", errno_text(errno)));
+  }
+  std::error_code ec;
+  fs::directory_iterator it(source, ec);
+  if (ec) return Status::error(cat(source.string(), ": cannot list: ", ec_text(ec)));
+  std::vector<fs::path> names;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    names.push_back(it->path().filename());
+  }
+  if (ec) return Status::error(cat(source.string(), ": cannot list: ", ec_text(ec)));
+  for (const fs::path& name : names) E4KV_RETURN_IF_ERROR(link_walk_entry(walk, rel / name));
+  return ok_status();
+}
+
+// A symbolic link of the base that points at a directory: never descended.
+Status link_walk_directory_link(LinkWalk& walk, const fs::path& rel) {
+  const fs::path source = walk.base / rel;
+  std::error_code ec;
+  const fs::path resolved = fs::canonical(source, ec);
+  if (ec) {
+    return Status::error(
+        cat(source.string(), ": a symbolic link that cannot be resolved: ", ec_text(ec)));
+  }
+  if (!path_within(resolved, walk.base)) {
+    return Status::error(cat(source.string(), ": a symbolic link to the directory ",
+                             resolved.string(), ", outside the base ", walk.base.string(), "; ",
+                             mode_flag(walk.mode),
+                             " never follows a directory link out of the base (it could copy "
+                             "anything, or loop); remove the link from the base or use --link "
+                             "symlink"));
+  }
+  if (walk.dry_run) return ok_status();
+  // The same place in the derived tree, relative to the link's own folder there.
+  const fs::path target = walk.derived / rel;
+  const fs::path rel_target = resolved.lexically_relative(walk.base);
+  const fs::path inside =
+      rel_target.empty() || rel_target == "." ? walk.derived : walk.derived / rel_target;
+  fs::path text = inside.lexically_relative(target.parent_path());
+  if (text.empty()) text = ".";
+  fs::create_directory_symlink(text, target, ec);
+  if (ec) {
+    return Status::error(cat(target.string(), ": cannot create a symbolic link to ", text.string(),
+                             ": ", ec_text(ec)));
+  }
+  return ok_status();
+}
+
+// One base entry (relative path `rel`) into the derived tree, hardlink or copy mode.
+Status link_walk_entry(LinkWalk& walk, const fs::path& rel) {
+  const fs::path source = walk.base / rel;
+  struct stat link_st {};
+  if (::lstat(source.c_str(), &link_st) != 0) {
+    return Status::error(cat(source.string(), ": cannot read: ", errno_text(errno)));
+  }
+  if (S_ISDIR(link_st.st_mode)) return link_walk_directory(walk, rel, link_st);
+  if (S_ISREG(link_st.st_mode)) return link_file(walk, source, walk.derived / rel);
+  if (!S_ISLNK(link_st.st_mode)) {
+    return Status::error(cat(source.string(),
+                             ": not a regular file, directory or symbolic link; remove it from "
+                             "the base or use --link symlink"));
+  }
+  struct stat st {};
+  if (::stat(source.c_str(), &st) != 0) {
+    const int error = errno;
+    return Status::error(cat(source.string(),
+                             ": a symbolic link that cannot be followed: ", errno_text(error),
+                             "; fix or remove it in the base, or use --link symlink"));
+  }
+  if (S_ISDIR(st.st_mode)) return link_walk_directory_link(walk, rel);
+  if (!S_ISREG(st.st_mode)) {
+    return Status::error(cat(source.string(),
+                             ": a symbolic link to something that is not a regular file or "
+                             "directory; remove it from the base or use --link symlink"));
+  }
+  // A link to a regular file: the file the engine reads through the base, wherever it lies.
+  std::error_code ec;
+  const fs::path resolved = fs::canonical(source, ec);
+  if (ec) {
+    return Status::error(
+        cat(source.string(), ": a symbolic link that cannot be resolved: ", ec_text(ec)));
+  }
+  return link_file(walk, resolved, walk.derived / rel);
+}
+
+// One top-level base entry into the derived directory. Symbolic links point at the base's own path
+// (so an HF cache snapshot's links keep resolving); hard links and copies walk the base as
+// described at the top of overlay.h.
+Status link_entry(LinkWalk& walk, const std::string& name) {
+  if (walk.mode == OverlayLinkMode::kSymlink) {
+    if (walk.dry_run) return ok_status();
+    std::error_code ec;
+    const fs::path source = walk.base / name;
+    const fs::path target = walk.derived / name;
+    fs::create_symlink(source, target, ec);
+    if (ec) {
+      return Status::error(cat(target.string(), ": cannot create a symbolic link to ",
+                               source.string(), ": ", ec_text(ec)));
+    }
+    return ok_status();
+  }
+  return link_walk_entry(walk, fs::path(name));
+}
+
+// Whether `path` exists (symlinks followed): false for ENOENT; an error with the real errno for
+// anything else that stops stat(2) (permission denied, a symbolic link loop).
+Result<bool> file_exists(const fs::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) {
+      return Status::error(cat(path.string(), ": not a regular file"));
+    }
+    return true;
+  }
+  const int error = errno;
+  if (error == ENOENT) return false;
+  return Status::error(cat(path.string(), ": cannot read: ", errno_text(error)));
+}
 }  // namespace
 
 Result<std::vector<std::string>> hash_files(const std::vector<fs::path>& paths,
@@ -304,14 +415,22 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   }
   std::error_code ec;
   const fs::path base_arg = options.base_dir;
-  if (!fs::exists(base_arg, ec)) {
-    return Status::error(cat(base_arg.string(), ": base checkpoint directory not found"));
-  }
-  if (!fs::is_directory(base_arg, ec)) {
-    return Status::error(cat(base_arg.string(), ": the base is not a directory"));
+  {
+    struct stat st {};
+    if (::stat(base_arg.c_str(), &st) != 0) {
+      const int error = errno;
+      if (error == ENOENT) {
+        return Status::error(cat(base_arg.string(), ": base checkpoint directory not found"));
+      }
+      return Status::error(cat(base_arg.string(),
+                               ": cannot open the base checkpoint directory: ", errno_text(error)));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::error(cat(base_arg.string(), ": the base is not a directory"));
+    }
   }
   const fs::path base = fs::canonical(base_arg, ec);
-  if (ec) return Status::error(cat(base_arg.string(), ": cannot resolve: ", ec.message()));
+  if (ec) return Status::error(cat(base_arg.string(), ": cannot resolve: ", ec_text(ec)));
 
   if (options.out_dir.empty()) return Status::error("--out is required: the derived directory");
   fs::path out_abs = fs::absolute(options.out_dir, ec).lexically_normal();
@@ -321,12 +440,24 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     return Status::error(cat("--out ", out_arg, ": names no directory"));
   }
   const fs::path parent_arg = out_abs.parent_path();
-  if (!fs::is_directory(parent_arg, ec)) {
-    return Status::error(cat("--out ", out_arg, ": the parent directory ", parent_arg.string(),
-                             " does not exist; create it first"));
+  {
+    struct stat st {};
+    if (::stat(parent_arg.c_str(), &st) != 0) {
+      const int error = errno;
+      if (error == ENOENT) {
+        return Status::error(cat("--out ", out_arg, ": the parent directory ", parent_arg.string(),
+                                 " does not exist; create it first"));
+      }
+      return Status::error(cat("--out ", out_arg, ": cannot use the parent directory ",
+                               parent_arg.string(), ": ", errno_text(error)));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::error(
+          cat("--out ", out_arg, ": the parent ", parent_arg.string(), " is not a directory"));
+    }
   }
   const fs::path parent = fs::canonical(parent_arg, ec);
-  if (ec) return Status::error(cat(parent_arg.string(), ": cannot resolve: ", ec.message()));
+  if (ec) return Status::error(cat(parent_arg.string(), ": cannot resolve: ", ec_text(ec)));
   const std::string out_name = out_abs.filename().string();
   fs::path out = parent / out_name;
   const fs::file_status out_link_status = fs::symlink_status(out, ec);
@@ -351,7 +482,9 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     if (!fs::is_directory(out_link_status)) {
       return Status::error(cat("--out ", out_arg, ": exists and is not a directory"));
     }
-    if (!fs::is_empty(out, ec)) {
+    const bool empty = fs::is_empty(out, ec);
+    if (ec) return Status::error(cat("--out ", out_arg, ": cannot list: ", ec_text(ec)));
+    if (!empty) {
       return Status::error(
           cat("--out ", out_arg, ": exists and is not empty; choose a new directory or remove it"));
     }
@@ -373,10 +506,16 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   }
   const std::vector<std::string> names = ckpt.tensor_names();
   std::vector<std::string> collisions;
+  // Scale keys the base holds, by the shard holding them (replace_embedded_scales drops them).
+  std::map<std::string, std::vector<std::string>> embedded_by_shard;
+  std::set<std::string> embedded;
   for (const std::string& name : names) {
-    if (parse_scale_key(name)) collisions.push_back(cat(name, " (in ", ckpt.shard_of(name), ")"));
+    if (!parse_scale_key(name)) continue;
+    collisions.push_back(cat(name, " (in ", ckpt.shard_of(name), ")"));
+    embedded_by_shard[ckpt.shard_of(name)].push_back(name);
+    embedded.insert(name);
   }
-  if (!collisions.empty()) {
+  if (!collisions.empty() && !options.replace_embedded_scales) {
     constexpr size_t kListed = 8;
     std::string list;
     for (size_t i = 0; i < collisions.size() && i < kListed; ++i) {
@@ -385,8 +524,10 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     if (collisions.size() > kListed) list += cat(" and ", collisions.size() - kListed, " more");
     return Status::error(cat(base.string(), ": the base already holds ", collisions.size(),
                              " K/V scale key(s): ", list,
-                             "; an overlay would collide with them (two keys for one scale); "
-                             "use a base checkpoint without K/V scales"));
+                             "; an overlay would collide with them (two keys for one scale); to "
+                             "replace them with your scales pass --replace-embedded-scales (the "
+                             "shards holding them are written anew into the derived directory "
+                             "without them; the base is not touched)"));
   }
 
   // ---- the scales, through the same gate start-up will run --------------------------------------
@@ -405,12 +546,15 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     for (const std::string& key : probe.expected_keys()) scales_file.scales[key] = 1.0f;
   } else {
     scales_abs = fs::absolute(options.scales_path, ec).lexically_normal();
-    if (!fs::is_regular_file(scales_abs, ec)) {
+    struct stat st {};
+    if (::stat(options.scales_path.c_str(), &st) != 0 && errno == ENOENT) {
       return Status::error(cat("--scales ", options.scales_path.string(),
-                               ": not found (or not a regular file); make it with e4kv summarize "
-                               "STATS... --out scales.json"));
+                               ": not found; make it with e4kv summarize STATS... --out "
+                               "scales.json"));
     }
-    E4KV_ASSIGN_OR_RETURN(std::string text, read_text(scales_abs));
+    Result<std::string> read = read_file(options.scales_path);
+    if (!read.ok()) return Status::error(cat("--scales ", read.message()));
+    const std::string text = std::move(read).value();
     E4KV_ASSIGN_OR_RETURN(scales_file, parse_scales_file(text, options.scales_path.string()));
     scales_sha256 = sha256_hex(text);
   }
@@ -449,14 +593,56 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     (void)checked;
   }
 
+  OverlayResult result;
+  // ---- how base entries will enter the derived directory: checked before anything is created -
+  const fs::path temp = parent / cat(".", out_name, kTempMarker, ::getpid());
+  LinkWalk walk;
+  walk.base = base;
+  walk.derived = temp;  // not created yet: the dry run below writes nothing
+  walk.mode = options.link;
+  std::vector<std::string> top_level;
+  {
+    std::error_code list_ec;
+    fs::directory_iterator it(base, list_ec);
+    for (; !list_ec && it != fs::directory_iterator(); it.increment(list_ec)) {
+      top_level.push_back(it->path().filename().string());
+    }
+    if (list_ec) return Status::error(cat(base.string(), ": cannot list: ", ec_text(list_ec)));
+  }
+  std::sort(top_level.begin(), top_level.end());
+  auto link_all = [&](bool dry_run) -> Status {
+    walk.dry_run = dry_run;
+    walk.walked.clear();
+    struct stat st {};
+    if (::stat(base.c_str(), &st) == 0) walk.walked.emplace(st.st_dev, st.st_ino);
+    int64_t linked = 0;
+    for (const std::string& name : top_level) {
+      if (name == kSafetensorsIndexName) continue;       // replaced by the merged index
+      if (embedded_by_shard.count(name) != 0) continue;  // written anew below
+      E4KV_RETURN_IF_ERROR(link_entry(walk, name));
+      ++linked;
+    }
+    result.n_linked = linked;
+    return ok_status();
+  };
+  E4KV_RETURN_IF_ERROR(link_all(/*dry_run=*/true));
+
   // ---- hash the base (before anything is created, so a long hash can be interrupted safely) -----
+  // Every file the engine reads: the revision file, the small files (always hashed), the shards.
   std::vector<BaseFile> base_files;
   const bool sharded = ckpt.sharded();
   const std::string revision_file =
       std::string(sharded ? kSafetensorsIndexName : kSingleSafetensorsName);
   base_files.push_back({revision_file, sharded ? "index" : "shard"});
-  base_files.push_back({"config.json", "config"});
-  if (sharded && options.hash == OverlayHashScope::kAll) {
+  for (std::string_view name : kEngineReadFiles) {
+    E4KV_ASSIGN_OR_RETURN(const bool present, file_exists(base / name));
+    if (!present) continue;
+    const std::string role = name == "config.json"              ? "config"
+                             : name == "generation_config.json" ? "generation"
+                                                                : "tokenizer";
+    base_files.push_back({std::string(name), role});
+  }
+  if (sharded) {
     std::vector<std::string> shard_names;
     for (const std::string& name : names) {
       std::string shard = ckpt.shard_of(name);
@@ -465,32 +651,43 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
       }
     }
     std::sort(shard_names.begin(), shard_names.end());
-    for (std::string& shard : shard_names) base_files.push_back({std::move(shard), "shard"});
+    for (std::string& shard : shard_names) {
+      BaseFile file{std::move(shard), "shard"};
+      file.hashed = options.hash == OverlayHashScope::kAll;
+      base_files.push_back(std::move(file));
+    }
   }
   std::vector<fs::path> hash_paths;
   std::vector<std::string> hash_labels;
   for (BaseFile& file : base_files) {
+    file.bytes = fs::file_size(base / file.name, ec);
+    if (ec) {
+      return Status::error(cat((base / file.name).string(), ": cannot read: ", ec_text(ec)));
+    }
+    if (!file.hashed) {
+      ++result.n_size_only;
+      continue;
+    }
     hash_paths.push_back(base / file.name);
     hash_labels.push_back(file.name);
-    file.bytes = fs::file_size(base / file.name, ec);
-    if (ec) return Status::error(cat((base / file.name).string(), ": ", ec.message()));
   }
   E4KV_ASSIGN_OR_RETURN(std::vector<std::string> digests,
                         hash_files(hash_paths, hash_labels, options.progress));
-  OverlayResult result;
-  for (size_t i = 0; i < base_files.size(); ++i) {
-    base_files[i].sha256 = digests[i];
-    result.hashed_bytes += base_files[i].bytes;
+  size_t next_digest = 0;
+  for (BaseFile& file : base_files) {
+    if (!file.hashed) continue;
+    file.sha256 = digests[next_digest++];
+    result.hashed_bytes += file.bytes;
+    ++result.n_hashed;
   }
-  result.n_hashed = static_cast<int64_t>(base_files.size());
   result.base_revision = base_files[0].sha256;
   result.revision_file = revision_file;
   result.policy = scales_file.policy;
   result.n_scales = static_cast<int64_t>(entries.size());
+  result.replaced_keys.assign(embedded.begin(), embedded.end());
 
   // ---- build in a temporary directory beside the output -----------------------------------------
   result.removed_stale = remove_stale_temp_dirs(parent, out_name);
-  const fs::path temp = parent / cat(".", out_name, kTempMarker, ::getpid());
   if (::mkdir(temp.c_str(), 0755) != 0) {
     return Status::error(
         cat(temp.string(), ": cannot create the temporary directory: ", errno_text(errno)));
@@ -498,14 +695,54 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   TempDirGuard guard(temp);
   crash_point("after-temp-dir");
 
-  std::error_code list_ec;
-  for (const fs::directory_entry& entry : fs::directory_iterator(base, list_ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name == kSafetensorsIndexName) continue;  // replaced by the merged index
-    E4KV_RETURN_IF_ERROR(link_entry(base / name, temp / name, options.link));
-    ++result.n_linked;
+  E4KV_RETURN_IF_ERROR(link_all(/*dry_run=*/false));
+
+  // Base shards that hold scale keys (replace_embedded_scales): written anew without them.
+  struct Rewritten {
+    std::string file;
+    std::vector<std::string> dropped;
+    bool omitted = false;  // nothing left: the derived checkpoint has no such shard
+    bool hashed = true;
+    uint64_t bytes = 0;
+    std::string sha256;
+  };
+  std::vector<Rewritten> rewritten;
+  uint64_t dropped_bytes = 0;
+  for (const auto& [shard_name, dropped] : embedded_by_shard) {
+    const SafetensorsFile* file = nullptr;
+    for (const auto& shard : ckpt.shards()) {
+      if (fs::path(shard->source()).filename() == shard_name) file = shard.get();
+    }
+    if (file == nullptr) {
+      return Status::error(cat(base.string(), ": shard ", shard_name, " is not open"));
+    }
+    std::vector<SafetensorsWriteTensor> kept;
+    for (const SafetensorsTensor& t : file->tensors()) {
+      if (embedded.count(t.name) != 0) {
+        dropped_bytes += t.bytes.size();
+        continue;
+      }
+      kept.push_back({t.name, t.dtype, t.shape, t.bytes});
+    }
+    Rewritten entry{shard_name, dropped};
+    const bool base_hashed =
+        std::any_of(base_files.begin(), base_files.end(),
+                    [&](const BaseFile& f) { return f.name == shard_name && f.hashed; });
+    entry.hashed = base_hashed;
+    if (kept.empty()) {
+      entry.omitted = true;
+    } else {
+      const fs::path path = temp / shard_name;
+      E4KV_RETURN_IF_ERROR(write_safetensors(path, kept, file->metadata()));
+      entry.bytes = fs::file_size(path, ec);
+      if (ec) return Status::error(cat(path.string(), ": cannot read: ", ec_text(ec)));
+      if (entry.hashed) {
+        E4KV_ASSIGN_OR_RETURN(entry.sha256, sha256_file(path));
+      }
+      result.rewritten_shards.push_back(shard_name);
+    }
+    rewritten.push_back(std::move(entry));
   }
-  if (list_ec) return Status::error(cat(base.string(), ": cannot list: ", list_ec.message()));
   crash_point("after-links");
 
   std::vector<float> values;
@@ -521,7 +758,9 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
       {std::string(kContractMetadataKey), kScalesFormat},
       {std::string(kBaseRevisionMetadataKey), result.base_revision},
       {"e4kv_base_revision_file", revision_file},
-      {"e4kv_policy", scales_file.policy},
+      {std::string(kPolicyMetadataKey), scales_file.policy},
+      {std::string(kNegativeControlMetadataKey),
+       options.unit_scale_negative_control ? "true" : "false"},
   };
   const fs::path scales_shard = temp / kKvScalesShardName;
   E4KV_RETURN_IF_ERROR(write_safetensors(scales_shard, tensors, metadata));
@@ -532,25 +771,29 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   Json weight_map = Json::object();  // sorted by tensor name, as Hugging Face writes it
   const uint64_t scale_bytes = 4 * entries.size();
   if (sharded) {
-    E4KV_ASSIGN_OR_RETURN(std::string text, read_text(base / kSafetensorsIndexName));
+    E4KV_ASSIGN_OR_RETURN(std::string text, read_file(base / kSafetensorsIndexName));
     try {
       index = OrderedJson::parse(text);
     } catch (const OrderedJson::parse_error& e) {
       return Status::error(
           cat((base / kSafetensorsIndexName).string(), ": invalid JSON: ", e.what()));
     }
-    for (const auto& [name, shard] : index["weight_map"].items()) weight_map[name] = shard;
+    for (const auto& [name, shard] : index["weight_map"].items()) {
+      if (embedded.count(name) == 0) weight_map[name] = shard;
+    }
     if (!index.contains("metadata") || !index["metadata"].is_object()) {
       index["metadata"] = OrderedJson::object();
     }
     OrderedJson& metadata_object = index["metadata"];
     if (auto total = metadata_object.find("total_size");
         total != metadata_object.end() && total->is_number_integer() && *total >= 0) {
-      *total = total->get<uint64_t>() + scale_bytes;
+      const uint64_t before = total->get<uint64_t>();
+      *total = (before >= dropped_bytes ? before - dropped_bytes : 0) + scale_bytes;
     }
   } else {
     uint64_t total = scale_bytes;
     for (const std::string& name : names) {
+      if (embedded.count(name) != 0) continue;
       weight_map[name] = std::string(kSingleSafetensorsName);
       total += ckpt.find(name)->bytes.size();
     }
@@ -570,6 +813,7 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   provenance["kv_cache_dtype"] = "fp8_e4m3";
   provenance["policy"] = scales_file.policy;
   provenance["negative_control"] = options.unit_scale_negative_control;
+  provenance["replace_embedded_scales"] = options.replace_embedded_scales;
   if (options.unit_scale_negative_control) {
     provenance["scales_file"] = nullptr;
   } else {
@@ -583,17 +827,33 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   provenance["hash_scope"] = overlay_hash_scope_name(options.hash);
   OrderedJson files = OrderedJson::array();
   for (const BaseFile& file : base_files) {
-    files.push_back(
-        {{"file", file.name}, {"role", file.role}, {"bytes", file.bytes}, {"sha256", file.sha256}});
+    files.push_back({{"file", file.name},
+                     {"role", file.role},
+                     {"bytes", file.bytes},
+                     {"sha256", file.hashed ? OrderedJson(file.sha256) : OrderedJson(nullptr)},
+                     {"check", file.hashed ? "sha256" : "size"}});
   }
   provenance["base"] = {{"dir", base.string()},
                         {"revision", result.base_revision},
                         {"revision_file", revision_file},
                         {"files", std::move(files)}};
+  OrderedJson rewritten_json = OrderedJson::array();
+  for (const Rewritten& entry : rewritten) {
+    OrderedJson item = {{"file", entry.file}, {"dropped", entry.dropped}};
+    if (entry.omitted) {
+      item["omitted"] = true;
+    } else {
+      item["bytes"] = entry.bytes;
+      item["sha256"] = entry.hashed ? OrderedJson(entry.sha256) : OrderedJson(nullptr);
+      item["check"] = entry.hashed ? "sha256" : "size";
+    }
+    rewritten_json.push_back(std::move(item));
+  }
   provenance["derived"] = {{"scales_shard",
                             {{"file", kKvScalesShardName},
                              {"bytes", fs::file_size(scales_shard, ec)},
-                             {"sha256", scales_shard_sha256}}}};
+                             {"sha256", scales_shard_sha256}}},
+                           {"rewritten_shards", std::move(rewritten_json)}};
   E4KV_RETURN_IF_ERROR(write_new_file(temp / kProvenanceName, provenance.dump(2) + "\n"));
   crash_point("after-provenance");
   E4KV_RETURN_IF_ERROR(sync_path(temp, true));

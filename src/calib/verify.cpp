@@ -1,14 +1,18 @@
 #include "calib/verify.h"
 
-#include <fstream>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <map>
 #include <optional>
-#include <sstream>
+#include <set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "calib/scales_file.h"
+#include "core/file_io.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -19,10 +23,21 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
+// A base file as the provenance records it: hashed (sha256) or checked by size only (bytes).
 struct RecordedFile {
   std::string name;
   std::string role;
-  std::string sha256;
+  std::optional<std::string> sha256;  // nullopt: recorded by size only (--hash index-config)
+  std::optional<uint64_t> bytes;
+};
+
+// A base shard that held scale keys, written anew without them (--replace-embedded-scales).
+struct RewrittenShard {
+  std::string name;
+  std::vector<std::string> dropped;
+  bool omitted = false;  // nothing was left, so the derived checkpoint has no such shard
+  std::optional<std::string> sha256;
+  std::optional<uint64_t> bytes;
 };
 
 struct Provenance {
@@ -30,7 +45,9 @@ struct Provenance {
   std::string revision;
   std::string revision_file;
   std::string hash_scope;
+  bool negative_control = false;
   std::vector<RecordedFile> files;
+  std::vector<RewrittenShard> rewritten;
   std::optional<std::string> scales_shard_sha256;
 };
 
@@ -43,6 +60,14 @@ std::string short_digest(const std::string& digest) {
   return digest.substr(0, 12);
 }
 
+// "a, b, c" (at most `limit` names, then "and N more").
+std::string join_names(const std::vector<std::string>& names, size_t limit = 8) {
+  std::string list;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) list += cat(i ? ", " : "", names[i]);
+  if (names.size() > limit) list += cat(" and ", names.size() - limit, " more");
+  return list;
+}
+
 Result<std::string> string_field(const Json& object, const char* field, const std::string& where) {
   auto it = object.find(field);
   if (it == object.end() || !it->is_string()) {
@@ -51,15 +76,34 @@ Result<std::string> string_field(const Json& object, const char* field, const st
   return it->get<std::string>();
 }
 
+// "sha256" (a digest, or null for a file recorded by size only) and "bytes" of a file record.
+Status read_digest_and_size(const Json& object, const std::string& where,
+                            std::optional<std::string>& sha256, std::optional<uint64_t>& bytes) {
+  auto digest = object.find("sha256");
+  if (digest != object.end() && digest->is_string()) {
+    sha256 = digest->get<std::string>();
+    if (!is_sha256_hex(*sha256)) {
+      return Status::error(cat(where, ".sha256 is not a SHA-256 hex digest"));
+    }
+  } else if (digest == object.end() || !digest->is_null()) {
+    return Status::error(cat(where,
+                             ".sha256 is missing (expected a digest, or null for a file "
+                             "recorded by size only)"));
+  }
+  auto size = object.find("bytes");
+  if (size != object.end() && size->is_number_unsigned()) bytes = size->get<uint64_t>();
+  if (!sha256 && !bytes) {
+    return Status::error(cat(where, " has neither a digest nor a size"));
+  }
+  return ok_status();
+}
+
 Result<Provenance> read_provenance(const fs::path& path) {
   const std::string source = path.string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(source, ": cannot open for reading"));
-  std::ostringstream text;
-  text << in.rdbuf();
+  E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
   Json root;
   try {
-    root = Json::parse(text.str());
+    root = Json::parse(text);
   } catch (const Json::parse_error& e) {
     return Status::error(cat(source, ": invalid JSON at byte ", e.byte,
                              "; the provenance was damaged, re-create the overlay"));
@@ -73,6 +117,9 @@ Result<Provenance> read_provenance(const fs::path& path) {
   Provenance provenance;
   if (root.contains("hash_scope") && root["hash_scope"].is_string()) {
     provenance.hash_scope = root["hash_scope"].get<std::string>();
+  }
+  if (root.contains("negative_control") && root["negative_control"].is_boolean()) {
+    provenance.negative_control = root["negative_control"].get<bool>();
   }
   auto base = root.find("base");
   if (base == root.end() || !base->is_object()) {
@@ -93,16 +140,13 @@ Result<Provenance> read_provenance(const fs::path& path) {
     if (!file.is_object()) return Status::error(cat(where, ".files holds a non-object entry"));
     RecordedFile recorded;
     E4KV_ASSIGN_OR_RETURN(recorded.name, string_field(file, "file", cat(where, ".files[]")));
-    E4KV_ASSIGN_OR_RETURN(recorded.sha256, string_field(file, "sha256", cat(where, ".files[]")));
     if (file.contains("role") && file["role"].is_string()) recorded.role = file["role"];
     if (!is_plain_file_name(recorded.name)) {
       return Status::error(
           cat(where, ".files names \"", recorded.name, "\", which is not a plain file name"));
     }
-    if (!is_sha256_hex(recorded.sha256)) {
-      return Status::error(
-          cat(where, ".files[\"", recorded.name, "\"].sha256 is not a SHA-256 hex digest"));
-    }
+    E4KV_RETURN_IF_ERROR(read_digest_and_size(file, cat(where, ".files[\"", recorded.name, "\"]"),
+                                              recorded.sha256, recorded.bytes));
     provenance.files.push_back(std::move(recorded));
   }
   if (auto derived = root.find("derived"); derived != root.end() && derived->is_object()) {
@@ -111,8 +155,49 @@ Result<Provenance> read_provenance(const fs::path& path) {
         provenance.scales_shard_sha256 = (*shard)["sha256"].get<std::string>();
       }
     }
+    if (auto rewritten = derived->find("rewritten_shards"); rewritten != derived->end()) {
+      const std::string rwhere = cat(source, ": derived.rewritten_shards");
+      if (!rewritten->is_array()) return Status::error(cat(rwhere, " is not an array"));
+      for (const Json& item : *rewritten) {
+        if (!item.is_object()) return Status::error(cat(rwhere, " holds a non-object entry"));
+        RewrittenShard shard;
+        E4KV_ASSIGN_OR_RETURN(shard.name, string_field(item, "file", cat(rwhere, "[]")));
+        if (!is_plain_file_name(shard.name)) {
+          return Status::error(
+              cat(rwhere, " names \"", shard.name, "\", which is not a plain file name"));
+        }
+        const std::string iwhere = cat(rwhere, "[\"", shard.name, "\"]");
+        auto dropped = item.find("dropped");
+        if (dropped == item.end() || !dropped->is_array()) {
+          return Status::error(cat(iwhere, ".dropped is missing or not an array"));
+        }
+        for (const Json& key : *dropped) {
+          if (!key.is_string()) return Status::error(cat(iwhere, ".dropped holds a non-string"));
+          shard.dropped.push_back(key.get<std::string>());
+        }
+        shard.omitted =
+            item.contains("omitted") && item["omitted"].is_boolean() && item["omitted"].get<bool>();
+        if (!shard.omitted) {
+          E4KV_RETURN_IF_ERROR(read_digest_and_size(item, iwhere, shard.sha256, shard.bytes));
+        }
+        provenance.rewritten.push_back(std::move(shard));
+      }
+    }
   }
   return provenance;
+}
+
+// stat(2) of `path` (symlinks followed) as a problem text, or nullopt for an existing regular file.
+// `what` names the file in the text ("base file config.json").
+std::optional<std::string> regular_file_problem(const fs::path& path, const std::string& what,
+                                                struct stat& st) {
+  if (::stat(path.c_str(), &st) != 0) {
+    const int error = errno;
+    if (error == ENOENT) return cat(what, " is missing");
+    return cat(what, " cannot be read: ", errno_message(error));
+  }
+  if (!S_ISREG(st.st_mode)) return cat(what, " is not a regular file");
+  return std::nullopt;
 }
 
 }  // namespace
@@ -125,13 +210,44 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
   E4KV_ASSIGN_OR_RETURN(result.scales,
                         load_kv_scales(ckpt, options.dtype, KvScalesMode::kCalibrated));
 
-  // 2. The revision binding.
-  std::error_code ec;
+  // 2. The revision binding. An overlay is known by its provenance, by a base revision recorded in
+  // a shard's metadata, or by its scales shard; without the provenance it fails.
+  std::string recorded_revision;
+  std::string recorded_in;
+  for (const auto& shard : ckpt.shards()) {
+    auto revision = shard->metadata().find(std::string(kBaseRevisionMetadataKey));
+    if (revision == shard->metadata().end()) continue;
+    recorded_revision = revision->second;
+    recorded_in = fs::path(shard->source()).filename().string();
+    break;
+  }
   const fs::path provenance_path = dir / kProvenanceName;
-  if (!fs::exists(fs::symlink_status(provenance_path, ec))) {
-    result.notes.push_back(cat("provenance: not checked (no ", kProvenanceName,
-                               ": a plain checkpoint, its binding to a base revision is unknown)"));
-    return result;
+  const std::string remedy = "; re-create the overlay from the current base with e4kv overlay";
+  {
+    struct stat st {};
+    if (::lstat(provenance_path.c_str(), &st) != 0) {
+      const int error = errno;
+      if (error != ENOENT) {
+        return Status::error(
+            cat(provenance_path.string(), ": cannot read: ", errno_message(error)));
+      }
+      struct stat shard_st {};
+      const bool has_scales_shard = ::lstat((dir / kKvScalesShardName).c_str(), &shard_st) == 0;
+      if (!recorded_revision.empty() || has_scales_shard) {
+        const std::string why = !recorded_revision.empty()
+                                    ? cat(recorded_in, " records base revision ",
+                                          short_digest(recorded_revision), "...")
+                                    : cat("it holds ", kKvScalesShardName);
+        return Status::error(cat(dir.string(), ": is an overlay (", why, ") but its ",
+                                 kProvenanceName,
+                                 " is missing, so its binding to the base cannot be checked",
+                                 remedy, " BASE_DIR --scales scales.json --out NEW_DIR"));
+      }
+      result.notes.push_back(
+          cat("provenance: not checked (no ", kProvenanceName,
+              ": a plain checkpoint, its binding to a base revision is unknown)"));
+      return result;
+    }
   }
   E4KV_ASSIGN_OR_RETURN(Provenance provenance, read_provenance(provenance_path));
   result.provenance_checked = true;
@@ -140,23 +256,49 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
   const fs::path base = provenance.base_dir;
   const std::string context = cat(dir.string(), ": does not match its base ", base.string(),
                                   " as recorded in ", kProvenanceName, ": ");
-  const std::string remedy = "; re-create the overlay from the current base with e4kv overlay";
-  if (!fs::is_directory(base, ec)) {
-    return Status::error(cat(context, "the base directory is missing", remedy));
+  {
+    struct stat st {};
+    if (::stat(base.c_str(), &st) != 0) {
+      const int error = errno;
+      return Status::error(cat(context, "the base directory ",
+                               error == ENOENT ? std::string("is missing")
+                                               : cat("cannot be read: ", errno_message(error)),
+                               remedy));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::error(cat(context, "the base is not a directory", remedy));
+    }
   }
 
   std::vector<std::string> problems;
+  std::map<std::string, const RewrittenShard*> rewritten;
+  std::set<std::string> dropped;
+  for (const RewrittenShard& shard : provenance.rewritten) {
+    rewritten[shard.name] = &shard;
+    dropped.insert(shard.dropped.begin(), shard.dropped.end());
+  }
   // What to hash: each recorded base file, and the derived file standing in for it when it is not
-  // the same file (a copy). The derived index is the merged one and is checked structurally below.
+  // the same file (a copy, or a shard written anew without embedded scales). Files recorded by
+  // size only are compared by size. The derived index is the merged one and is checked
+  // structurally below.
   struct Job {
     fs::path path;
     std::string label;
-    const RecordedFile* recorded;
+    std::string name;
+    std::string expected;
     bool derived;
   };
   std::vector<Job> jobs;
+  std::vector<std::string> hashed_names;
+  std::vector<std::string> size_only_names;
+  std::set<std::string> recorded_names;
   bool revision_recorded = false;
+  auto size_changed = [](const std::string& what, uint64_t now, uint64_t recorded) {
+    return cat(what, " changed size since the overlay was made (now ", now, " bytes, recorded ",
+               recorded, ")");
+  };
   for (const RecordedFile& file : provenance.files) {
+    recorded_names.insert(file.name);
     if (file.name == provenance.revision_file) {
       revision_recorded = true;
       if (file.sha256 != provenance.revision) {
@@ -165,24 +307,82 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
       }
     }
     const fs::path base_file = base / file.name;
-    if (!fs::is_regular_file(base_file, ec)) {
-      problems.push_back(cat("base file ", file.name, " is missing"));
+    struct stat base_st {};
+    if (auto problem = regular_file_problem(base_file, cat("base file ", file.name), base_st)) {
+      problems.push_back(*problem);
       continue;
     }
-    jobs.push_back({base_file, file.name, &file, false});
+    if (file.sha256) {
+      jobs.push_back({base_file, file.name, file.name, *file.sha256, false});
+      hashed_names.push_back(file.name);
+    } else {
+      size_only_names.push_back(file.name);
+      if (file.bytes && static_cast<uint64_t>(base_st.st_size) != *file.bytes) {
+        problems.push_back(size_changed(cat("base file ", file.name),
+                                        static_cast<uint64_t>(base_st.st_size), *file.bytes));
+      }
+    }
     if (file.name == kSafetensorsIndexName) continue;
     const fs::path derived_file = dir / file.name;
-    if (!fs::is_regular_file(derived_file, ec)) {
-      problems.push_back(cat("derived file ", file.name, " (a link to the base file) is missing"));
+    auto rewrite = rewritten.find(file.name);
+    if (rewrite != rewritten.end()) {
+      const RewrittenShard& shard = *rewrite->second;
+      if (shard.omitted) continue;
+      struct stat derived_st {};
+      if (auto problem = regular_file_problem(
+              derived_file, cat("derived file ", file.name, " (written without embedded scales)"),
+              derived_st)) {
+        problems.push_back(*problem);
+      } else if (shard.sha256) {
+        jobs.push_back({derived_file, cat(file.name, " (derived, rewritten)"), file.name,
+                        *shard.sha256, true});
+      } else if (shard.bytes && static_cast<uint64_t>(derived_st.st_size) != *shard.bytes) {
+        problems.push_back(size_changed(cat("derived file ", file.name),
+                                        static_cast<uint64_t>(derived_st.st_size), *shard.bytes));
+      }
       continue;
     }
-    if (!fs::equivalent(derived_file, base_file, ec)) {
-      jobs.push_back({derived_file, cat(file.name, " (derived copy)"), &file, true});
+    struct stat derived_st {};
+    if (auto problem = regular_file_problem(
+            derived_file, cat("derived file ", file.name, " (a link to the base file)"),
+            derived_st)) {
+      problems.push_back(*problem);
+      continue;
+    }
+    if (derived_st.st_dev == base_st.st_dev && derived_st.st_ino == base_st.st_ino) continue;
+    if (file.sha256) {
+      jobs.push_back(
+          {derived_file, cat(file.name, " (derived copy)"), file.name, *file.sha256, true});
+    } else if (derived_st.st_size != base_st.st_size) {
+      problems.push_back(cat("derived file ", file.name,
+                             " no longer matches the base file recorded (size now ",
+                             derived_st.st_size, " bytes, base ", base_st.st_size, ")"));
     }
   }
   if (!revision_recorded) {
     problems.push_back(cat("the revision file ", provenance.revision_file, " is not recorded"));
   }
+  // Every file the engine reads from the derived directory must be bound.
+  for (std::string_view name : kEngineReadFiles) {
+    if (recorded_names.count(std::string(name)) != 0) continue;
+    struct stat st {};
+    const int error = ::stat((dir / name).c_str(), &st) == 0 ? 0 : errno;
+    if (error == 0) {
+      problems.push_back(cat(name,
+                             " is read by the engine but not recorded in the provenance (added "
+                             "after the overlay was made, or an overlay made by an older e4kv)"));
+    } else if (error != ENOENT) {
+      problems.push_back(cat("derived file ", name, " cannot be read: ", errno_message(error)));
+    }
+  }
+  for (const auto& shard : ckpt.shards()) {
+    const std::string name = fs::path(shard->source()).filename().string();
+    if (name == kKvScalesShardName || recorded_names.count(name) != 0) continue;
+    problems.push_back(cat("shard ", name,
+                           " is read by the engine but not recorded in the provenance (an "
+                           "overlay made by an older e4kv, or a shard added since)"));
+  }
+
   std::vector<fs::path> paths;
   std::vector<std::string> labels;
   for (const Job& job : jobs) {
@@ -194,18 +394,20 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
   result.n_hashed = static_cast<int64_t>(jobs.size());
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Job& job = jobs[i];
-    if (digests[i] == job.recorded->sha256) continue;
-    problems.push_back(cat(job.derived ? "derived file " : "base file ", job.recorded->name,
-                           job.derived ? " no longer matches the base file recorded"
+    if (digests[i] == job.expected) continue;
+    problems.push_back(cat(job.derived ? "derived file " : "base file ", job.name,
+                           job.derived ? " no longer matches the file recorded"
                                        : " changed since the overlay was made",
                            " (sha256 now ", short_digest(digests[i]), "..., recorded ",
-                           short_digest(job.recorded->sha256), "...)"));
+                           short_digest(job.expected), "...)"));
   }
 
-  // The scales shard: contract, revision and digest as recorded.
+  // The scales shard: contract, revision, negative-control marker and digest as recorded.
   const fs::path scales_shard = dir / kKvScalesShardName;
-  if (!fs::is_regular_file(scales_shard, ec)) {
-    problems.push_back(cat(kKvScalesShardName, " is missing"));
+  struct stat scales_st {};
+  if (auto problem =
+          regular_file_problem(scales_shard, std::string(kKvScalesShardName), scales_st)) {
+    problems.push_back(*problem);
   } else {
     Result<SafetensorsFile> shard = SafetensorsFile::open(scales_shard);
     if (!shard.ok()) {
@@ -222,6 +424,10 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
         problems.push_back(cat(kKvScalesShardName, " was made for another base revision (",
                                revision == metadata.end() ? "none" : revision->second, ")"));
       }
+      if (is_negative_control_metadata(metadata) != provenance.negative_control) {
+        problems.push_back(cat(kKvScalesShardName, " and ", kProvenanceName,
+                               " disagree on whether the scales are a negative control"));
+      }
     }
     if (provenance.scales_shard_sha256) {
       Result<std::string> digest = sha256_file(scales_shard);
@@ -237,6 +443,7 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
   }
 
   // The merged index: every base tensor where the base keeps it, and nothing else but scales.
+  // Embedded scale keys the overlay replaced are absent, or a scale key of the scales shard.
   Result<Checkpoint> base_ckpt = Checkpoint::open(base);
   if (!base_ckpt.ok()) {
     problems.push_back(cat("the base no longer opens: ", base_ckpt.message()));
@@ -244,23 +451,26 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
     std::vector<std::string> wrong;
     for (const std::string& name : base_ckpt->tensor_names()) {
       const std::string derived_shard = ckpt.shard_of(name);
+      if (dropped.count(name) != 0) {
+        if (!derived_shard.empty() && derived_shard != kKvScalesShardName) {
+          wrong.push_back(cat(name, " (replaced) is mapped to ", derived_shard));
+        }
+        continue;
+      }
       if (derived_shard != base_ckpt->shard_of(name)) {
         wrong.push_back(cat(name, derived_shard.empty() ? " is not in the derived index"
                                                         : " is mapped to " + derived_shard));
       }
     }
     for (const std::string& name : ckpt.tensor_names()) {
-      if (base_ckpt->find(name) != nullptr) continue;
+      if (base_ckpt->find(name) != nullptr && dropped.count(name) == 0) continue;
       if (!parse_scale_key(name) || ckpt.shard_of(name) != kKvScalesShardName) {
         wrong.push_back(
             cat(name, " is not in the base and not a K/V scale in ", kKvScalesShardName));
       }
     }
     if (!wrong.empty()) {
-      std::string list;
-      for (size_t i = 0; i < wrong.size() && i < 5; ++i) list += cat(i ? ", " : "", wrong[i]);
-      if (wrong.size() > 5) list += cat(" and ", wrong.size() - 5, " more");
-      problems.push_back(cat("the derived index does not match the base: ", list));
+      problems.push_back(cat("the derived index does not match the base: ", join_names(wrong, 5)));
     }
   }
 
@@ -269,13 +479,33 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
     for (size_t i = 0; i < problems.size(); ++i) list += cat(i ? "; " : "", problems[i]);
     return Status::error(cat(context, list, remedy));
   }
+  result.hashed_files = hashed_names;
+  result.size_only_files = size_only_names;
   result.notes.push_back(cat("provenance: base ", base.string(), " revision ",
                              short_digest(provenance.revision), " (", provenance.revision_file,
-                             "): ", result.n_hashed, " files hashed, all match"));
-  if (provenance.hash_scope == "index-config") {
+                             "): ", result.n_hashed, " files hashed, all match (",
+                             join_names(hashed_names), ")"));
+  if (!size_only_names.empty()) {
+    result.notes.push_back(cat("provenance: ", size_only_names.size(),
+                               " files checked for existence and size only, not hashed (the "
+                               "overlay was made with --hash index-config): ",
+                               join_names(size_only_names)));
+  }
+  if (!provenance.rewritten.empty()) {
+    std::vector<std::string> names;
+    for (const RewrittenShard& shard : provenance.rewritten) {
+      names.push_back(cat(shard.name, shard.omitted ? " (omitted: only scales)" : ""));
+    }
+    result.notes.push_back(cat("provenance: ", dropped.size(),
+                               " K/V scale key(s) embedded in the base replaced "
+                               "(--replace-embedded-scales); base shards written anew without "
+                               "them: ",
+                               join_names(names)));
+  }
+  if (provenance.negative_control) {
     result.notes.push_back(
-        "provenance: the overlay was made with --hash index-config, so base shards are not "
-        "bound by digest (only the index and config.json)");
+        "NEGATIVE CONTROL: this overlay was made with --unit-scale-negative-control; every K/V "
+        "scale is 1.0 (unit scales, not calibrated): not for production use");
   }
   return result;
 }

@@ -2,16 +2,22 @@
 // start-up accept its K/V scales?
 //
 // 1. The start-up gate, exactly as the engine runs it: Checkpoint::open +
-// load_kv_scales(calibrated).
-//    A failure returns the engine's own message unchanged.
-// 2. When kvscales-provenance.json is present, the revision binding: every base file the provenance
-//    recorded is hashed again and must match (a missing or changed base file is an error naming
-//    it); the base revision and the scales shard's metadata and digest must match the record; files
-//    the derived directory holds in place of base files (copies) must match them too; and the
-//    derived index must map every base tensor to the base's shard and add only K/V scale keys in
-//    model-kvscales.safetensors.
-// A plain checkpoint without provenance passes on the gate alone; the result says provenance was
-// not checked.
+//    load_kv_scales(calibrated). A failure returns the engine's own message unchanged.
+// 2. The revision binding. A directory is an overlay when it holds kvscales-provenance.json, when
+//    one of its shards records a base revision in its metadata (e4kv_base_revision), or when it
+//    holds model-kvscales.safetensors; an overlay without its provenance fails. With the
+//    provenance: every base file it recorded is checked again (hashed when it was recorded with a
+//    digest; compared by size when it was recorded by size only, --hash index-config) and a
+//    missing, unreadable (with the errno's reason) or changed one is an error naming it; the base
+//    revision and the scales shard's metadata (revision, negative-control marker) and digest
+//    must match the record; files the derived directory holds in place of base files (copies,
+//    shards written anew without embedded scales) must match their records; every file the
+//    engine reads from the derived directory (kEngineReadFiles, every shard) must be recorded; and
+//    the derived index must map every base tensor to the base's shard (embedded scale keys the
+//    overlay replaced excepted) and add only K/V scale keys in model-kvscales.safetensors.
+// A plain checkpoint (no provenance, no revision recorded anywhere) passes on the gate alone; the
+// result says provenance was not checked. An overlay made with --unit-scale-negative-control
+// passes with a NEGATIVE CONTROL note (and the gate's summary says so too).
 #pragma once
 
 #include <filesystem>
@@ -35,7 +41,9 @@ struct VerifyResult {
   bool provenance_checked = false;  // false: no kvscales-provenance.json
   std::string base_dir;             // from the provenance
   std::string base_revision;
-  int64_t n_hashed = 0;
+  int64_t n_hashed = 0;                      // files hashed (base files and derived copies)
+  std::vector<std::string> hashed_files;     // base files verified by digest
+  std::vector<std::string> size_only_files;  // base files verified by existence and size only
   // Human-readable lines for the CLI ("provenance: ...").
   std::vector<std::string> notes;
 };

@@ -312,6 +312,13 @@ Result<KvScales> KvScaleGate::finalize() {
   return runtime;
 }
 
+bool is_negative_control_metadata(const std::map<std::string, std::string>& metadata) {
+  auto marker = metadata.find(std::string(kNegativeControlMetadataKey));
+  if (marker != metadata.end() && marker->second == "true") return true;
+  auto policy = metadata.find(std::string(kPolicyMetadataKey));
+  return policy != metadata.end() && policy->second == kUnitNegativeControlPolicy;
+}
+
 Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype, KvScalesMode mode) {
   const std::vector<std::string> names = ckpt.tensor_names();
   const ModelConfig& config = ckpt.config();
@@ -332,18 +339,45 @@ Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype, KvSc
             " scale keys in the checkpoint ignored); not for production use");
     return scales;
   }
-  KvScaleGate::Options options{ckpt.dir().string(), ""};
+  // Which advice fits this directory when the gate refuses (see scale_gate.h).
+  const std::string dir = strip_trailing_slashes(ckpt.dir().string());
+  bool overlay = false;
+  bool negative_control = false;
+  for (const auto& shard : ckpt.shards()) {
+    const auto& metadata = shard->metadata();
+    if (metadata.count(std::string(kBaseRevisionMetadataKey)) != 0) overlay = true;
+    if (is_negative_control_metadata(metadata)) negative_control = true;
+  }
   // note: the file name of calib/overlay.h's provenance (kv/ does not depend on calib/).
   std::error_code ec;
-  if (std::filesystem::exists(ckpt.dir() / "kvscales-provenance.json", ec)) {
-    const std::string dir = strip_trailing_slashes(ckpt.dir().string());
+  if (std::filesystem::exists(ckpt.dir() / "kvscales-provenance.json", ec)) overlay = true;
+  int64_t embedded_keys = 0;
+  for (const std::string& name : names) {
+    if (parse_scale_key(name)) ++embedded_keys;
+  }
+  KvScaleGate::Options options{ckpt.dir().string(), ""};
+  if (overlay) {
     options.remedy = cat("this directory is an overlay: e4kv verify ", dir,
                          " checks it against its base; re-create it with e4kv overlay BASE_DIR "
                          "--scales scales.json --out NEW_DIR");
+  } else if (embedded_keys > 0) {
+    // A plain overlay refuses a base that already holds scale keys (two keys for one slot); this
+    // option leaves them out of the derived checkpoint and never writes into the base.
+    options.remedy =
+        cat("the K/V scales are embedded in this checkpoint's own shards; replace them without "
+            "writing into it: e4kv summarize STATS... --out scales.json && e4kv overlay ",
+            dir, " --scales scales.json --replace-embedded-scales --out ", dir, "-kvscales");
   }
   KvScaleGate gate(config, kv_scale_prefix(names), dtype, std::move(options));
   for (const std::string& name : names) gate.load(name, *ckpt.find(name));
-  return gate.finalize();
+  E4KV_ASSIGN_OR_RETURN(KvScales scales, gate.finalize());
+  if (dtype == KvCacheDtype::kE4m3 && negative_control) {
+    scales.negative_control_overlay = true;
+    scales.summary = cat("kv scales: NEGATIVE CONTROL: ", scales.loaded, "/", scales.expected,
+                         " K/V scales are the unit scales (1.0) of an overlay made with "
+                         "--unit-scale-negative-control; not calibrated, not for production use");
+  }
+  return scales;
 }
 
 }  // namespace e4kv

@@ -12,10 +12,21 @@
 //     invalid: model.layers.7.self_attn.v_scale = nan (not finite)
 //     make an overlay: e4kv summarize STATS... --out scales.json && e4kv overlay <dir> ...
 //
+// The last line is advice that works for the directory at hand: a checkpoint without scale keys
+// gets the overlay recipe; one whose scales are embedded in its own shards gets the overlay recipe
+// with --replace-embedded-scales (a plain overlay refuses the key collision); an overlay gets
+// `e4kv verify` and the re-create recipe.
+//
+// An overlay made with --unit-scale-negative-control holds explicitly loaded 1.0 scales, which the
+// gate accepts (1.0 is a legal value); its scales shard carries a marker in its __metadata__
+// (kNegativeControlMetadataKey = "true", or the policy "unit-scale-negative-control" of older
+// overlays) and load_kv_scales() labels the result as a NEGATIVE CONTROL, never "calibrated".
+//
 // Plain C++ (no CUDA): the engine, `e4kv verify`, `e4kv inspect` and `e4kv overlay` share it.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -30,6 +41,18 @@
 namespace e4kv {
 
 class Checkpoint;
+
+// __metadata__ keys e4kv writes into an overlay's model-kvscales.safetensors (calib/overlay.h).
+// They live here because the gate reads them and kv/ does not depend on calib/.
+inline constexpr std::string_view kBaseRevisionMetadataKey = "e4kv_base_revision";
+inline constexpr std::string_view kPolicyMetadataKey = "e4kv_policy";
+inline constexpr std::string_view kNegativeControlMetadataKey = "e4kv_negative_control";
+// The policy recorded for --unit-scale-negative-control.
+inline constexpr std::string_view kUnitNegativeControlPolicy = "unit-scale-negative-control";
+
+// True when `metadata` (a safetensors __metadata__) marks unit scales written as a negative
+// control.
+bool is_negative_control_metadata(const std::map<std::string, std::string>& metadata);
 
 // `--kv-cache-dtype`: "fp16" or "fp8_e4m3" ("fp8" is read as fp8_e4m3, as vLLM does).
 Result<KvCacheDtype> parse_kv_cache_dtype(std::string_view name);
@@ -54,14 +77,18 @@ struct KvScales {
   int64_t loaded = 0;           // slots explicitly loaded and valid
   int64_t expected = 0;         // 2 * layers.size() for E4M3, 0 for FP16
   int64_t ignored_keys = 0;     // scale keys in the checkpoint that this mode does not read
-  // One line for the log, e.g. "kv scales: 24/24 calibrated K/V scales loaded" or, in unit mode,
-  // "kv scales: NEGATIVE CONTROL: ..." (callers must log it).
+  // Calibrated mode over an overlay made with --unit-scale-negative-control: the loaded scales are
+  // the 1.0 of a negative control, not calibrated (the scales shard's metadata says so).
+  bool negative_control_overlay = false;
+  // One line for the log, e.g. "kv scales: 24/24 calibrated K/V scales loaded" or, in unit mode
+  // and for a negative-control overlay, "kv scales: NEGATIVE CONTROL: ..." (callers must log it).
   std::string summary;
 
   // 1.0 everywhere for `n_layers` layers: the state before any gate ran.
   static KvScales unit(int64_t n_layers);
   bool negative_control() const {
-    return dtype == KvCacheDtype::kE4m3 && mode == KvScalesMode::kUnit;
+    return dtype == KvCacheDtype::kE4m3 &&
+           (mode == KvScalesMode::kUnit || negative_control_overlay);
   }
 };
 
@@ -130,8 +157,9 @@ class KvScaleGate {
 
 // What engine start-up, `e4kv verify` and `e4kv inspect` call: runs the gate over every scale key
 // of `ckpt`. FP16: no scales needed (keys ignored), all 1.0. E4M3 + calibrated: the gate; any
-// problem is the one message. E4M3 + unit: all 1.0 without reading the checkpoint's keys, and
-// KvScales::summary says it is a negative control.
+// problem is the one message, whose advice fits the directory (see the top of this file). E4M3 +
+// unit: all 1.0 without reading the checkpoint's keys, and KvScales::summary says it is a negative
+// control; so does a calibrated load from a negative-control overlay.
 Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype,
                                 KvScalesMode mode = KvScalesMode::kCalibrated);
 

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -510,6 +512,76 @@ TEST_F(LoadKvScalesTest, Fp16NeedsNoScales) {
   ASSERT_TRUE(scales.ok()) << scales.message();
   EXPECT_FALSE(scales->negative_control());
   EXPECT_EQ(scales->expected, 0);
+}
+
+// Rewrites every shard of the checkpoint at `dir`, setting `key` (when present) to `value` and
+// adding `metadata` to each shard's __metadata__.
+void rewrite_shards(const fs::path& dir, const std::string& key, float value,
+                    const std::map<std::string, std::string>& metadata) {
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    Result<SafetensorsFile> file = SafetensorsFile::open(entry.path());
+    ASSERT_TRUE(file.ok()) << file.message();
+    std::vector<SafetensorsWriteTensor> tensors;
+    for (const SafetensorsTensor& t : file->tensors()) {
+      tensors.push_back(
+          {t.name, t.dtype, t.shape,
+           t.name == key ? std::as_bytes(std::span<const float>(&value, 1)) : t.bytes});
+    }
+    std::map<std::string, std::string> merged = file->metadata();
+    for (const auto& [k, v] : metadata) merged[k] = v;
+    const fs::path temp = dir.parent_path() / cat(dir.filename().string(), ".rewrite.tmp");
+    ASSERT_TRUE(write_safetensors(temp, tensors, merged).ok());
+    fs::rename(temp, entry.path());
+  }
+}
+
+TEST_F(LoadKvScalesTest, EmbeddedInvalidScalesGetTheReplaceAdvice) {
+  write(true);
+  rewrite_shards(dir_, "model.layers.7.self_attn.k_scale", 0.0f, {});
+  Result<Checkpoint> ckpt = Checkpoint::open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+  Result<KvScales> scales = load_kv_scales(*ckpt, KvCacheDtype::kE4m3);
+  ASSERT_FALSE(scales.ok());
+  EXPECT_TRUE(contains(scales.message(), "invalid: model.layers.7.self_attn.k_scale = 0"))
+      << scales.message();
+  // A plain overlay would refuse this base (its keys collide): the advice names the option that
+  // replaces them.
+  EXPECT_TRUE(contains(scales.message(), cat("e4kv overlay ", dir_.string(),
+                                             " --scales scales.json --replace-embedded-scales")))
+      << scales.message();
+  EXPECT_FALSE(contains(scales.message(), "make an overlay")) << scales.message();
+}
+
+TEST_F(LoadKvScalesTest, NegativeControlMarkerIsLabelled) {
+  write(true);
+  for (const auto& marker : std::vector<std::map<std::string, std::string>>{
+           {{"e4kv_negative_control", "true"}}, {{"e4kv_policy", "unit-scale-negative-control"}}}) {
+    rewrite_shards(dir_, "", 0.0f, marker);
+    Result<Checkpoint> ckpt = Checkpoint::open(dir_);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+    Result<KvScales> scales = load_kv_scales(*ckpt, KvCacheDtype::kE4m3);
+    ASSERT_TRUE(scales.ok()) << scales.message();
+    EXPECT_TRUE(scales->negative_control_overlay);
+    EXPECT_TRUE(scales->negative_control());
+    EXPECT_EQ(scales->mode, KvScalesMode::kCalibrated);
+    EXPECT_TRUE(contains(scales->summary, "kv scales: NEGATIVE CONTROL: 4/4")) << scales->summary;
+    EXPECT_FALSE(contains(scales->summary, "(calibrated,")) << scales->summary;
+    // An FP16 cache takes no scales, so nothing is a negative control.
+    Result<KvScales> fp16 = load_kv_scales(*ckpt, KvCacheDtype::kF16);
+    ASSERT_TRUE(fp16.ok());
+    EXPECT_FALSE(fp16->negative_control());
+    fs::remove_all(dir_);
+    write(true);
+  }
+  // "false" is no marker.
+  rewrite_shards(dir_, "", 0.0f, {{"e4kv_negative_control", "false"}});
+  Result<Checkpoint> ckpt = Checkpoint::open(dir_);
+  ASSERT_TRUE(ckpt.ok());
+  Result<KvScales> scales = load_kv_scales(*ckpt, KvCacheDtype::kE4m3);
+  ASSERT_TRUE(scales.ok());
+  EXPECT_FALSE(scales->negative_control());
+  EXPECT_TRUE(contains(scales->summary, "(calibrated,")) << scales->summary;
 }
 
 }  // namespace

@@ -123,8 +123,15 @@ ordered_json scale_report(const Checkpoint& ckpt) {
     }
     layers.push_back(std::move(entry));
   }
+  // An overlay made with --unit-scale-negative-control marks its scales shard's metadata: its 1.0
+  // scales are a negative control, not calibrated.
+  bool negative_control = false;
+  for (const auto& shard : ckpt.shards()) {
+    if (is_negative_control_metadata(shard->metadata())) negative_control = true;
+  }
   return {{"expected", 2 * static_cast<int64_t>(kv_layers.size())},
           {"present", present},
+          {"negative_control", negative_control},
           {"layers", std::move(layers)},
           {"missing", std::move(missing)},
           {"unexpected", std::move(unexpected)},
@@ -327,6 +334,11 @@ void print_text(const ordered_json& r) {
   line("kv scales", cat(s["present"].get<int64_t>(), "/", s["expected"].get<int64_t>(),
                         " present, ", s["missing"].size(), " missing, ", s["unexpected"].size(),
                         " unexpected, ", s["conflicts"].size(), " conflicting"));
+  if (s["negative_control"].get<bool>()) {
+    line("  NEGATIVE CONTROL",
+         "unit scales (1.0) written by e4kv overlay --unit-scale-negative-control; not "
+         "calibrated, not for production use");
+  }
   for (const auto& layer : s["layers"]) {
     std::string text;
     for (const char* which : {"k", "v"}) {
@@ -363,7 +375,10 @@ Status run_inspect(const InspectArgs& args) {
   const Result<KvScales> gate = load_kv_scales(ckpt, KvCacheDtype::kE4m3);
   std::string gate_message = gate.ok() ? gate->summary : gate.message();
   if (!gate.ok()) gate_message = gate_message.substr(0, gate_message.find('\n'));
-  report["fp8_e4m3_startup"] = ordered_json{{"ok", gate.ok()}, {"message", gate_message}};
+  report["fp8_e4m3_startup"] =
+      ordered_json{{"ok", gate.ok()},
+                   {"negative_control", gate.ok() && gate->negative_control()},
+                   {"message", gate_message}};
   if (args.json) {
     const std::string text =
         report.dump(2, ' ', false, ordered_json::error_handler_t::replace) + "\n";

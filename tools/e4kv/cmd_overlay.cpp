@@ -20,6 +20,7 @@ struct OverlayArgs {
   std::string link = "symlink";
   std::string hash = "all";
   bool unit_scale_negative_control = false;
+  bool replace_embedded_scales = false;
   bool progress = false;
 };
 
@@ -29,6 +30,7 @@ Status run_overlay(const OverlayArgs& args) {
   options.scales_path = args.scales;
   options.out_dir = args.out_dir;
   options.unit_scale_negative_control = args.unit_scale_negative_control;
+  options.replace_embedded_scales = args.replace_embedded_scales;
   E4KV_ASSIGN_OR_RETURN(options.link, parse_overlay_link_mode(args.link));
   E4KV_ASSIGN_OR_RETURN(options.hash, parse_overlay_hash_scope(args.hash));
   std::optional<HashProgressBar> bar;
@@ -51,9 +53,21 @@ Status run_overlay(const OverlayArgs& args) {
               r.policy.empty() ? "(none given)" : r.policy.c_str());
   std::printf("  %s\n", r.scales.summary.c_str());
   std::printf(
-      "  base entries   %lld (%s), %lld files hashed (%s)\n", static_cast<long long>(r.n_linked),
+      "  base entries   %lld (%s), %lld files hashed (%s)", static_cast<long long>(r.n_linked),
       std::string(overlay_link_mode_name(options.link)).c_str(), static_cast<long long>(r.n_hashed),
       std::string(overlay_hash_scope_name(options.hash)).c_str());
+  if (r.n_size_only > 0) {
+    std::printf(", %lld recorded by size only", static_cast<long long>(r.n_size_only));
+  }
+  std::printf("\n");
+  if (options.replace_embedded_scales) {
+    std::string shards;
+    for (const std::string& shard : r.rewritten_shards)
+      shards += cat(shards.empty() ? "" : ", ", shard);
+    std::printf("  replaced       %zu K/V scale key(s) embedded in the base%s%s\n",
+                r.replaced_keys.size(),
+                shards.empty() ? "" : "; shards written anew without them: ", shards.c_str());
+  }
   if (options.unit_scale_negative_control) {
     std::printf(
         "  NEGATIVE CONTROL: every scale is 1.0 (--unit-scale-negative-control); not calibrated, "
@@ -81,12 +95,17 @@ void add_overlay_command(CLI::App& app, Status& result) {
                   "copy")
       ->capture_default_str();
   cmd->add_option("--hash", args->hash,
-                  "Base files hashed into the provenance: all, or index-config (index and "
-                  "config.json only)")
+                  "Base files hashed into the provenance: all, or index-config (the index, "
+                  "config.json, generation_config.json and tokenizer files are hashed; shards "
+                  "are recorded by size only)")
       ->capture_default_str();
   cmd->add_flag("--unit-scale-negative-control", args->unit_scale_negative_control,
                 "Write 1.0 for every expected scale instead of reading --scales (a negative "
                 "control; the provenance says so)");
+  cmd->add_flag("--replace-embedded-scales", args->replace_embedded_scales,
+                "The base already holds K/V scale keys: leave them out of the derived checkpoint "
+                "and use --scales instead (the base shards holding them are written anew into the "
+                "derived directory without them; the base is never touched)");
   cmd->add_flag("--progress", args->progress,
                 "Show the hashing progress bar even when stderr is not a terminal");
   cmd->callback([args, &result] { result = run_overlay(*args); });

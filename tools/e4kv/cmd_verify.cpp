@@ -32,8 +32,10 @@ Status run_verify(const VerifyArgs& args) {
   Result<VerifyResult> verified = verify_overlay(options);
   bar.reset();
   if (!verified.ok()) return verified.status();
-  std::printf("verify %s: ok, start-up with --kv-cache-dtype %s would succeed\n", args.dir.c_str(),
-              std::string(kv_cache_dtype_name(options.dtype)).c_str());
+  std::printf(
+      "verify %s: ok%s, start-up with --kv-cache-dtype %s would succeed\n", args.dir.c_str(),
+      verified->scales.negative_control() ? " (NEGATIVE CONTROL: unit scales, not calibrated)" : "",
+      std::string(kv_cache_dtype_name(options.dtype)).c_str());
   std::printf("  %s\n", verified->scales.summary.c_str());
   for (const std::string& note : verified->notes) std::printf("  %s\n", note.c_str());
   return ok_status();
