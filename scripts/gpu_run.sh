@@ -39,7 +39,9 @@ if [ "$PHASE" != bench ]; then
   step cuda_tests build-gpu/tests/e4kv_cuda_tests
   E4KV_FORCE_SOFTWARE_E4M3=1 step cuda_tests_forced_software build-gpu/tests/e4kv_cuda_tests
   step sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
-    build-gpu/tests/e4kv_cuda_tests --gtest_filter=-*AllFloats*:QsaSparseDecodeCuda.MatchesCpuReference
+    build-gpu/tests/e4kv_cuda_tests --gtest_filter=-*AllFloats*
+  step sanitizer_experimental compute-sanitizer --tool memcheck --error-exitcode 1 \
+    build-gpu/bench/experimental/e4kv_experimental_tests --gtest_filter=-*MatchesCpuReference
   # The command-line program end to end on the GPU: a generated dense checkpoint, FP16 and E4M3.
   smoke() {
     local m

@@ -7,10 +7,7 @@
 // selection (width budget + 3, planned for budget + 3 keys by choose_decode_attention_plan: the
 // splits merged in a thread-block cluster where that applies), with the main cache in FP16, E4M3
 // through the software decoder (native_e4m3 = false) and E4M3 native where usable, then the last
-// of these again with the splits merged by the second kernel ("-mk", side by side), and each of the
-// first three as qsa_index_scores -> qsa_sparse_decode, the top-k and the attention in one kernel
-// ("+sd", where its clusters take the batch in one wave; its attention column is that kernel, its
-// top-k column 0). Prints a table
+// of these again with the splits merged by the second kernel ("-mk", side by side). Prints a table
 // and writes JSON (argv[1], default qsa_decode.json); exits non-zero when the sanity check fails
 // (after the warm-up every row selects budget + 3 tokens, the attention output holds no NaN).
 // The decode rows sit at pos = kCtx - 2 with seq_len = pos + 1 (131071 tokens, in a cache sized for
@@ -53,7 +50,6 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
 #include "backend/cuda/qsa_index_scores.cuh"
-#include "backend/cuda/qsa_sparse_decode.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 #include "backend/cuda/timeline.cuh"
 #include "bench_data.cuh"
@@ -148,11 +144,10 @@ struct QsaResult {
   std::string kv;
   int64_t splits = 0;
   bool cluster_merge = false;  // the attention's splits merged in a thread-block cluster
-  bool sparse = false;         // top-k and attention in one kernel (qsa_sparse_decode)
-  Timing attention;   // alone, over each copy's selection (sparse: the top-k and attention kernel)
-  Timing step;        // scores + top-k + attention, cold (copies rotating)
-  Timing step_warm;   // the same on one copy
-  Timing step_plain;  // step, cold, with plain launches (no programmatic dependent launch)
+  Timing attention;            // alone, over each copy's selection
+  Timing step;                 // scores + top-k + attention, cold (copies rotating)
+  Timing step_warm;            // the same on one copy
+  Timing step_plain;           // step, cold, with plain launches (no programmatic dependent launch)
 };
 
 #ifdef E4KV_TIMELINE
@@ -165,7 +160,6 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
   timeline_attach_scores(d_tl);
   timeline_attach_top_k(d_tl);
   timeline_attach_decode(d_tl);
-  timeline_attach_sparse_decode(d_tl);
   std::vector<unsigned long long> init(kTimelineWords, 0ull);
   for (int k = 0; k < kTimelineKernels; ++k) {
     for (int e : {kTlEntryMin, kTlStartMin, kTlExitMin}) {
@@ -185,8 +179,8 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
     E4KV_CUDA_CHECK(cudaGraphInstantiate(&execs[c], graph, 0));
     E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
   }
-  constexpr int kKernels = 5;
-  const char* names[kKernels] = {"scores", "top-k", "decode", "merge", "sparse"};
+  constexpr int kKernels = 4;
+  const char* names[kKernels] = {"scores", "top-k", "decode", "merge"};
   const char* events[5] = {"entry", "start_first", "start_last", "exit_first", "exit_last"};
   std::vector<std::vector<double>> values(kKernels * 5 + kTimelinePhases);
   std::vector<unsigned long long> host(kTimelineWords);
@@ -231,7 +225,7 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
     for (int e = 0; e < 5; ++e) std::printf(" %s %7.2f", events[e], med(values[k * 5 + e]));
     std::printf("\n");
   }
-  std::printf("  phases (top-k or sparse decode, row 0, CTA 0):");
+  std::printf("  phases (top-k, row 0, CTA 0):");
   for (int i = 0; i < 11; ++i) std::printf(" %d:%.2f", i, med(values[kKernels * 5 + i]));
   std::printf("\n  raw ns of one copy (resolution check):");
   for (int e = 0; e < 5; ++e) std::printf(" %llu", (unsigned long long)(values[e].back() * 1e3));
@@ -242,7 +236,6 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
   timeline_attach_scores(none);
   timeline_attach_top_k(none);
   timeline_attach_decode(none);
-  timeline_attach_sparse_decode(none);
   E4KV_CUDA_CHECK(cudaFree(d_tl));
 }
 #endif
@@ -256,13 +249,11 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
 // the side-by-side against the tensor-core default.
 // --timeline (a build configured with -DE4KV_TIMELINE=ON): no timing; the last KV kind's cold step
 // from one-step CUDA graphs with the in-kernel probes (timeline.cuh), then the same with the top-k
-// run twice, then the step with the sparse decode kernel; prints when each kernel's CTAs entered,
-// started (after griddepcontrol.wait) and exited, and the phase marks of the top-k or the sparse
-// decode kernel.
+// run twice; prints when each kernel's CTAs entered, started (after griddepcontrol.wait) and
+// exited, and the phase marks of the top-k.
 // --profile: no timing; after the warm-up, two steps on each copy with the last KV kind (E4M3
-// native where usable), then two with the sparse decode kernel, for a profiler (ncu -k filtering
-// one kernel with --launch-skip past the warm-up; RESULTS.md session 11 used 30 for the decode
-// and the sparse decode kernels).
+// native where usable), for a profiler (ncu -k filtering one kernel with --launch-skip past the
+// warm-up; RESULTS.md session 11 used 30 for the decode kernel).
 int main(int argc, char** argv) {
   bool profile = false;
   bool exact_scores = false;
@@ -468,53 +459,33 @@ int main(int argc, char** argv) {
 
   // merge_kernel: the attention's splits merged by the second kernel even where the planner would
   // merge them in a cluster (the side-by-side row "-mk").
-  // sparse: the top-k and the attention in one kernel where it takes the launch (qsa_sparse_decode,
-  // rows "+sd"; the others run the top-k and attention kernels).
   struct Kind {
     KvCacheDtype dtype;
     DecodeAttentionConfig config;
     bool merge_kernel;
-    bool sparse;
   };
-  std::vector<Kind> kinds{{KvCacheDtype::kF16, {false, best.load}, false, false},
-                          {KvCacheDtype::kE4m3, {false, best.load}, false, false}};
-  if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}, false, false});
+  std::vector<Kind> kinds{{KvCacheDtype::kF16, {false, best.load}, false},
+                          {KvCacheDtype::kE4m3, {false, best.load}, false}};
+  if (best.native_e4m3) kinds.push_back({KvCacheDtype::kE4m3, {true, best.load}, false});
   Timing scores_time;
   Timing top_k_time;
   const Kind fastest = kinds.back();
   if (!profile && !timeline) {
     scores_time = time_step(scores_step, copies);
     top_k_time = time_step(top_k_step, copies);
-    kinds.push_back({KvCacheDtype::kE4m3, fastest.config, true, false});
-    for (size_t i = 0, n = kinds.size() - 1; i < n; ++i) {
-      kinds.push_back({kinds[i].dtype, kinds[i].config, false, true});
-    }
+    kinds.push_back({KvCacheDtype::kE4m3, fastest.config, true});
   } else {
     kinds.clear();
     kinds.push_back(fastest);
-    kinds.push_back({fastest.dtype, fastest.config, false, true});
   }
 
   std::vector<QsaResult> results;
-  for (const auto& [dtype, config, merge_kernel, sparse] : kinds) {
+  for (const auto& [dtype, config, merge_kernel] : kinds) {
     const bool e4m3 = dtype == KvCacheDtype::kE4m3;
     const KvCacheGeometry& geo = e4m3 ? geo_e4m3 : geo_f16;
     set_cluster_merge(!merge_kernel);
-    DecodeAttentionPlan plan = plan_for(geo, config, kWidth);
+    const DecodeAttentionPlan plan = plan_for(geo, config, kWidth);
     set_cluster_merge(true);
-    if (sparse) {
-      const Result<DecodeClusterMerge> clusters =
-          qsa_sparse_decode_clusters(geo, kHeads, config, 0);
-      if (!clusters.ok()) check(clusters.status());
-      plan = plan_qsa_sparse_decode(g_batch, kKvHeads, kMaxGroups, kBudget, kRatio, *clusters);
-      if (plan.n_splits == 0) {
-        std::printf(
-            "%s+sd: the sparse decode kernel does not take batch %lld (%lld clusters "
-            "at once)\n",
-            kv_name(dtype, config).c_str(), (long long)g_batch, (long long)clusters->clusters);
-        continue;
-      }
-    }
     const DecodeAttentionWorkspace ws = make_workspace(plan.n_splits);
     std::vector<PagedAttentionParams> attention(copies, dense);
     for (int c = 0; c < copies; ++c) {
@@ -524,28 +495,18 @@ int main(int argc, char** argv) {
       attention[c].rows.sel_counts = top_k_args[c].sel_counts;
       attention[c].rows.sel_width = kWidth;
     }
-    std::vector<QsaSparseDecodeArgs> sparse_args(copies);
-    for (int c = 0; c < copies; ++c) {
-      sparse_args[c].select = top_k_args[c];
-      sparse_args[c].attention = attention[c];
-    }
     auto attention_step = [&](cudaStream_t stream, int c) {
-      if (sparse) {
-        check(qsa_sparse_decode(sparse_args[c], plan, config, stream));
-      } else {
-        check(paged_decode_attention(attention[c], plan, ws, config, stream));
-      }
+      check(paged_decode_attention(attention[c], plan, ws, config, stream));
     };
     auto qsa_step = [&](cudaStream_t stream, int c) {
       scores_step(stream, c);
-      if (!sparse) top_k_step(stream, c);
+      top_k_step(stream, c);
       attention_step(stream, c);
     };
     QsaResult r;
-    r.kv = kv_name(dtype, config) + (merge_kernel ? "-mk" : "") + (sparse ? "+sd" : "");
+    r.kv = kv_name(dtype, config) + (merge_kernel ? "-mk" : "");
     r.splits = plan.n_splits;
     r.cluster_merge = plan.merge_in_cluster;
-    r.sparse = sparse;
     for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
     if (profile) {
       for (int c = 0; c < copies; ++c) qsa_step(nullptr, c);
@@ -556,7 +517,6 @@ int main(int argc, char** argv) {
 #ifdef E4KV_TIMELINE
     if (timeline) {
       run_timeline(qsa_step, copies, r.kv);
-      if (sparse) continue;
       // The same with the top-k run twice: its phase marks are then the second run's (warm
       // instruction cache, the scores in L2 either way).
       run_timeline(
@@ -609,8 +569,7 @@ int main(int argc, char** argv) {
   for (const QsaResult& r : results) {
     for (const bool graph : {false, true}) {
       auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
-      // A sparse row's attention column is its top-k and attention kernel (no top-k of its own).
-      const double top_k = r.sparse ? 0.0 : us(top_k_time);
+      const double top_k = us(top_k_time);
       const double sum = us(scores_time) + top_k + us(r.attention);
       std::printf(
           "%-12s %-6s %7lld %10.1f %7.1f %9.1f %7.1f %9.1f %9.1f %8.1f %9.2fx %9.2fx %11.1f\n",
@@ -647,14 +606,11 @@ int main(int argc, char** argv) {
   std::fprintf(f, " \"qsa\": [\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const QsaResult& r = results[i];
-    std::fprintf(f,
-                 "  {\"kv\": \"%s\", \"splits\": %lld, \"cluster_merge\": %s, "
-                 "\"sparse_decode\": %s",
-                 r.kv.c_str(), (long long)r.splits, r.cluster_merge ? "true" : "false",
-                 r.sparse ? "true" : "false");
+    std::fprintf(f, "  {\"kv\": \"%s\", \"splits\": %lld, \"cluster_merge\": %s", r.kv.c_str(),
+                 (long long)r.splits, r.cluster_merge ? "true" : "false");
     for (const bool graph : {false, true}) {
       auto us = [&](const Timing& t) { return (graph ? t.graph_ms : t.ms) * 1e3; };
-      const double top_k = r.sparse ? 0.0 : us(top_k_time);
+      const double top_k = us(top_k_time);
       std::fprintf(f,
                    ", \"%s\": {\"scores_maxima_us\": %.2f, \"top_k_us\": %.2f, "
                    "\"attention_us\": %.2f, \"sum_us\": %.2f, \"step_cold_us\": %.2f, "

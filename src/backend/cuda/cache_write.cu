@@ -22,7 +22,7 @@
 // writes, then encodes and stores them token by token. The host sizes the grid by kWarps * kTokens
 // tokens per CTA step. A chunk in flight holds 8 registers, and the register budget follows the
 // chunks in flight (min_ctas_per_sm): the E4M3 4-chunk kernels run 3 CTAs per SM instead of 5, for
-// more bytes in flight per SM (2 x 256 E4M3 on the H200: 68% -> 76% of copy bandwidth).
+// more bytes in flight per SM (2 x 256 E4M3: 68% -> 76% of copy bandwidth, see notes).
 //
 // E4M3 encode, exact for finite x without the general codec's branches:
 //   q = |x| / scale             in one of the three forms below, each exact for the scales it gets
@@ -72,10 +72,8 @@
 // Why fast: every byte is read once and written once with 16-byte accesses, a lane's loads of up
 // to 4 chunks (of one or several tokens) in flight together; without the division the E4M3 encode
 // is mostly integer work, and on sm_89+ one conversion per two elements; the block of a slot is a
-// shift for power-of-two block sizes. H200, 65536 tokens, no statistics (bench_cache_write, both
-// encoders in one run, of the 4.25 TB/s copy figure): E4M3 2 x 256 86.6% with the hardware encode
-// against 75.5% with the software one, 8 x 128 94.3% against 83.4%; the 2 x 256 kernel (1 chunk, 4
-// tokens) went from 5712 to 4256 SASS instructions, 80 registers and no spill either way.
+// shift for power-of-two block sizes.
+// Experiments: bench/notes/cache_write.md (the encoders and the multi-token step, with figures).
 #include "backend/cuda/cache_write.cuh"
 
 #include <cuda_fp16.h>
@@ -358,13 +356,11 @@ constexpr int lane_unroll(bool stats, int32_t row_chunks) {
 // Tokens per warp and step of the grid-stride loop (kTokens): E4M3 rows of 1 or 2 chunks per lane
 // take 4 / kUnroll tokens, so that a lane has 4 chunks in flight as with longer rows; 2 with
 // statistics (their budget). kUnroll = 2 with statistics may be a step of a longer row: one token.
-// FP16 rows take one token: measured on the H200 (2026-12-01, A/B in one call), 4 tokens per step
-// made the FP16 copy slower (2 x 256: 70 -> 82 us; 8 x 128: 139 -> 156 us; fewer CTAs per SM for
-// no encode latency to hide), while E4M3 2 x 256 went 69 -> 62 us.
-// The multi-token step needs enough tokens to fill the GPU with its fewer, larger CTAs: at 4096
-// tokens (128 CTAs of 4-token steps per tensor) it was 15-20% slower than one token per step on
-// the H200, at 65536 2-10% faster. It is taken when its grid has at least 8 CTAs per SM (K and V
-// together); sizes between those two were not measured.
+// FP16 rows take one token: 4 tokens per step made the FP16 copy slower (fewer CTAs per SM for no
+// encode latency to hide) while it made E4M3 faster (see notes).
+// The multi-token step needs enough tokens to fill the GPU with its fewer, larger CTAs: slower than
+// one token per step at 4096 tokens, faster at 65536 (see notes). It is taken when its grid has at
+// least 8 CTAs per SM (K and V together); sizes between those two were not measured.
 constexpr int tokens_per_step(bool e4m3, bool stats, int unroll) {
   if (!e4m3) return 1;
   if (stats) return unroll == 1 ? 2 : 1;

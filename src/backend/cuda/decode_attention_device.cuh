@@ -1,6 +1,6 @@
 // Device code of the paged decode attention kernel (paged_decode_attention.cu, which describes it):
-// its parameters, sizes, helpers and body, shared with the QSA sparse decode kernel
-// (qsa_sparse_decode.cu), which runs the same body over a key list it selects itself.
+// its parameters, sizes, helpers and body, which a kernel may also run over a key list it selects
+// itself (bench/experimental/ holds one). Experiments: bench/notes/paged_decode_attention.md.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -113,11 +113,10 @@ __device__ __forceinline__ void store_merged(float acc, float l_sum, float out_s
 
 // Registers of raw K/V bytes per thread that one iteration may take, and bytes of shared-memory
 // ring per warp (async copy). Overridable at build time for tuning runs on the device. Chosen by
-// interleaved A/B runs on the H200 (2026-12-01, bench/RESULTS.md): a 12 KB ring beat 16 KB (E4M3
-// d 128 213 -> 204 us at 32 x 8K: 4 FP16 CTAs per SM instead of 3); E4M3 d 256 takes 16-token
-// iterations (budget 64: 183 -> 166 us at 4 x 128K, both products on m16n8k16); a fixed split cost
-// of 64 keys cut the 32 x 8K split count from 80 to 8-12 (FP16 296 -> 255 us); forcing 4 resident
-// CTAs on the async path halved d 256 speed (register spills).
+// interleaved A/B runs (see notes): a 12 KB ring beats 16 KB (4 FP16 CTAs per SM instead of 3);
+// E4M3 d 256 takes 16-token iterations (both products on m16n8k16); a fixed split cost of 64 keys
+// keeps batches of many rows from being cut into many small splits; forcing 4 resident CTAs on
+// the async path makes d 256 spill registers.
 #ifndef E4KV_DECODE_REGISTER_RAW_BUDGET
 #define E4KV_DECODE_REGISTER_RAW_BUDGET 64
 #endif
@@ -136,13 +135,10 @@ __device__ __forceinline__ void store_merged(float acc, float l_sum, float out_s
 #endif
 // The planner's cost of each CTA of a row and KV head, in keys: every CTA writes a partial result
 // that the merge reads back one after another, and more CTAs share the SMs. Fitted on the H200
-// (2026-12-01, graph replay, FP16): QSA 4 x 2048 keys took 11.9 / 9.5 / 10.5 us at 8 / 16 / 32
-// CTAs per row and KV head, one 20K sequence 23.9 / 17.9 / 17.7 / 23.3 us at 25 / 47 / 64 / 128;
-// without this term the planner chose 32 and 128. Re-checked for QSA (H200, 2026-12-01, E4M3
-// native, attention alone from a graph): 36 / 68 (the planner's) / 132 splits took 11.3 / 10.4 /
-// 11.5 us; at 132 (16 keys a warp, 2 CTAs per SM) the decode kernel alone took 8.4 against 7.8 us
-// and ncu showed 9.3 instead of 6.0 cycles per issued instruction: a warp's fixed work (Q, the
-// key window, the CTA combine, the partial stores) outweighs its keys at this length.
+// (see notes): without this term the planner chose 32 CTAs per row and KV head for QSA 4 x 2048
+// keys where 16 are fastest, and 128 for one 20K sequence where 47-64 are. With more, shorter
+// splits a warp's fixed work (Q, the key window, the CTA combine, the partial stores) outweighs
+// its keys.
 #ifndef E4KV_DECODE_CTA_COST_KEYS
 #define E4KV_DECODE_CTA_COST_KEYS 1.25
 #endif
@@ -233,9 +229,8 @@ struct DecodeShape {
 };
 
 // note: the explicit minimum of 1 resident CTA changes ptxas' register allocation and scheduling
-// for this kernel: measured on the H200 (2026-12-01, interleaved A/B runs), FP16 decode at d 128
-// went from 325 to 291 us (32 x 8K) and from 384 to 338 us (8 x 32K), E4M3 unchanged. Forcing 4 or
-// 5 resident CTAs (128 or 102 registers) spilled and ran 15-65% slower.
+// for this kernel: FP16 decode at d 128 is 10-12% faster with it (see notes), E4M3 unchanged.
+// Forcing 4 or 5 resident CTAs spills registers and is slower.
 #ifndef E4KV_DECODE_ASYNC_MIN_CTAS
 #define E4KV_DECODE_ASYNC_MIN_CTAS 1
 #endif
@@ -261,8 +256,8 @@ struct KeyList {
 
 // The decode kernel's work for the CTA (row blockIdx.x / n_kv_heads, KV head blockIdx.x %
 // n_kv_heads, splits blockIdx.y * kWarps ..): its caller has passed griddepcontrol.wait. Keys
-// gives the row's key list (KeyList: the selection in global memory, or every key; the QSA
-// decode kernel's SharedKeys). decode_smem: the instance's dynamic shared memory
+// gives the row's key list (KeyList: the selection in global memory, or every key; or a caller's
+// own type with the same members). decode_smem: the instance's dynamic shared memory
 // (Shape::kSmemBytes).
 template <int kHeadDim, class Elem, int kHeadTiles, bool kAsync, int kWarps, int kCluster,
           class Keys, int kTimelineKernel = kTlDecode>
@@ -667,9 +662,10 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     }
   }
 
-  // The QSA sparse decode kernel's phase marks (timeline.cuh) after the keys and after the merge.
+  // A kernel that runs this body under its own timeline index (one that selects its keys first,
+  // bench/experimental/) gets phase marks (timeline.cuh) after the keys and after the merge.
   [[maybe_unused]] const bool marker =
-      kTimelineKernel == kTlSparseDecode && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
+      kTimelineKernel != kTlDecode && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
   if (marker) E4KV_TL_PHASE(9);
 
     // Row sums live spread over the four threads of a group.
@@ -679,14 +675,14 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     l_run[r] += __shfl_xor_sync(kFullMask, l_run[r], 2);
   }
 
-  // Async path: the CTA's 4 splits (consecutive key ranges of one row and KV head) are combined
-  // by log-sum-exp in shared memory, so one partial per CTA goes to the merge (4x less partial
+  // Async path: the CTA's 4 splits (consecutive key ranges of one row and KV head) are combined by
+  // log-sum-exp in shared memory, so one partial per CTA goes to the merge (4x less partial
   // traffic, which matters when short splits fill the GPU for one long sequence or a QSA
   // selection). Every lane holds the same fragment positions in every warp, so the combine goes
   // lane by lane: every warp publishes its (m, l, O), takes the CTA's maxima and sums, and combines
   // and writes the O fragments of a quarter of the m-tiles (mt = warp mod 4), a quarter of the
-  // serial work one warp used to do alone at the end of short splits. No copy is in flight: the
-  // last iteration waited for its stage and later groups are empty.
+  // serial work one warp would otherwise do alone at the end of short splits. No copy is in flight:
+  // the last iteration waited for its stage and later groups are empty.
   int partial = split;
   if constexpr (kAsync) {
     __syncthreads();  // every warp is done with its ring

@@ -80,7 +80,6 @@ void set_programmatic_launch(bool enabled) {
 
 namespace {
 std::atomic<bool> g_cluster_merge{true};
-std::atomic<bool> g_sparse_decode{true};
 }  // namespace
 
 bool cluster_merge_enabled() {
@@ -90,15 +89,6 @@ bool cluster_merge_enabled() {
 
 void set_cluster_merge(bool enabled) {
   g_cluster_merge.store(enabled, std::memory_order_relaxed);
-}
-
-bool qsa_sparse_decode_enabled() {
-  static const bool disabled = env_flag_set("E4KV_DISABLE_SPARSE_DECODE");
-  return !disabled && g_sparse_decode.load(std::memory_order_relaxed);
-}
-
-void set_qsa_sparse_decode(bool enabled) {
-  g_sparse_decode.store(enabled, std::memory_order_relaxed);
 }
 
 }  // namespace e4kv::cuda

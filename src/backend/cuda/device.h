@@ -28,10 +28,4 @@ void set_programmatic_launch(bool enabled);
 bool cluster_merge_enabled();
 void set_cluster_merge(bool enabled);
 
-// True unless set_qsa_sparse_decode(false) or the environment variable E4KV_DISABLE_SPARSE_DECODE
-// (read once) turned off the QSA sparse decode kernel (qsa_sparse_decode_clusters then reports
-// none, so the QSA step runs the top-k and the decode attention as two kernels).
-bool qsa_sparse_decode_enabled();
-void set_qsa_sparse_decode(bool enabled);
-
 }  // namespace e4kv::cuda

@@ -13,14 +13,11 @@
 // overlaps each launch with the kernel before it; cuBLAS GEMMs launch plainly in between.
 //
 // No kernel here signals its dependents early (griddepcontrol.launch_dependents): they launch when
-// it completes. Measured on the H200 (2026-12-01, QSA decode step at 128K, bench_qsa_decode,
-// E4M3 native): signalling at each kernel's start made the CUDA-graph step slower, 37.4 us against
-// 34.8 us with plain launches (probably as the early dependents held SM slots meanwhile);
-// launching at completion gave 34.2 us from a graph and 35.0 us against 39.7 us from stream
-// launches. Signalling at each CTA's exit instead (after its last store; 2026-12-01, session 10):
-// each next kernel entered 0.5-1.0 us sooner in the in-kernel timeline, but the step from a graph
-// did not move (31.6 / 31.7 against 31.5 / 31.7 us), nor with the score kernel's row metadata
-// loaded before its wait as well.
+// it completes. Signalling at each kernel's start made the QSA step slower than plain launches
+// (the early dependents probably hold SM slots meanwhile), and signalling at each CTA's exit did
+// not move it (see notes). Launching at completion takes the QSA step at 128K from 39.7 to 35.0 us
+// from stream launches.
+// Experiments: bench/notes/launch.md.
 #pragma once
 
 #include <cuda_runtime.h>

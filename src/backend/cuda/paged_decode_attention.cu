@@ -26,12 +26,14 @@
 //               chunk so both fragment reads are free of bank conflicts. No block barrier: each
 //               warp owns its ring, so __syncwarp orders it.
 //
-// The kernel's body, sizes and parameters are in decode_attention_device.cuh, shared with the QSA
-// sparse decode kernel (qsa_sparse_decode.cu); this file holds the kernel instances, the merge
-// kernel, the planners and the launcher.
+// The kernel's body, sizes and parameters are in decode_attention_device.cuh, so that a kernel
+// that selects its own key list can run the same body (bench/experimental/ holds one); this file
+// holds the kernel instances, the merge kernel, the planners and the launcher.
 //
 // Limits: head_dim 64/128/256, GQA group <= 16, block_size % 8 == 0. Instructions: mma.m16n8k8
 // (sm_75+); the software decoder uses only sm_70 integer instructions; cp.async sm_80+.
+// Experiments: bench/notes/paged_decode_attention.md (this kernel, its merge, and the tuning
+// constants of decode_attention_device.cuh).
 #include "backend/cuda/paged_decode_attention.cuh"
 
 #include <cuda_fp16.h>
@@ -67,27 +69,11 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
 // One CTA per (row, head, 32-dim chunk) with kMergeWarps warps: warp w merges the splits
 // s = w (mod kMergeWarps), one lane per dim, then the warps combine through shared memory. A row
 // cut into hundreds of splits (one long sequence) is merged by many CTAs with many loads in flight.
-// note: tried and dropped for the QSA step (4 x 2051 selected keys, d 256, H200, 2026-12-01,
-// attention alone from a CUDA graph, E4M3 native unless said; one call each, A/B in the call):
-//   - this kernel's share: leaving it out (timing only) took the attention from 10.4 to 7.8 us;
-//   - the merge in the decode kernel instead, by the last CTA of each row and KV head to finish
-//     (threadfence reduction on per-(row, KV head) atomicInc counters in the workspace, a separate
-//     kMerge instance): 16.8 us against 9.7 us (FP16 17.6 vs 11.0, software 17.1 vs 10.0). ncu:
-//     the decode kernel ran 45K cycles against 12-17K of SM activity: the 8 merging CTAs each read
-//     17 partials x 8 KB from L2 at about 5.5 B/cycle, nowhere near enough loads in flight. Even
-//     at L2 speed one SM per row and KV head would read 139 KB after the fence and the atomic.
-//   - this kernel launched early (griddepcontrol.launch_dependents at the decode kernel's entry):
-//     10.6 vs 10.4 us; one CTA per (row, head) and one pass over the splits: 10.6 vs 10.4 us.
-//   - one round of loads (2026-12-01, session 8): each warp's splits loaded 8 at a time with an
-//     online log-sum-exp (running maximum, rescaled sums) instead of a block-wide maximum first,
-//     and the gate requested beside them: 11.4 against 9.7 us (one call, both builds side by
-//     side); slower, and it was not looked into further;
-//   - kept instead, where it applies: the merge inside a thread-block cluster (session 10, the
-//     cluster-merge instance): 8.8 against 9.7 us for the attention, 30.4 against 31.6 us for
-//     the QSA step at 4 x 128K (H200, one process side by side);
-//   - the same merge code in the decode kernel behind a runtime flag (not a separate instance)
-//     moved ptxas' allocation of the main loop (FP16 d 256: 236 -> 203 registers) and slowed dense
-//     FP16 decode at 4 x 128K from 248 to 285 us: keep any such tail in its own instance.
+// note: for a QSA selection this kernel is about a quarter of the attention's time; where it
+// applies, the merge inside a thread-block cluster (the cluster-merge instance) replaces it. The
+// merge by the decode kernel's last CTA to finish, and other forms of this kernel, were slower
+// (see notes). Keep any such tail of the decode kernel in its own instance: the same merge code
+// behind a runtime flag moved ptxas' allocation of the main loop and slowed dense FP16 decode.
 constexpr int kMergeWarps = 8;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
@@ -178,10 +164,9 @@ DecodeInstance select_for_dim(int64_t head_dim, int group, bool async) {
 }
 
 // CTAs per cluster of the cluster merge at head_dim 256 (16 m-tiles: 8 or 16; 16 is a
-// non-portable cluster size); head_dim 128 (8 m-tiles) takes 8. Measured on the H200
-// (2026-12-01): clusters of 16 CTAs of 8 warps (one CTA per SM at 240 registers) passed the tests,
-// but fewer than the QSA step's 8 (4 rows x 2 KV heads) fit at once, so the planner fell back to
-// the merge kernel (31.6 us step); 8 gives 30.4 us.
+// non-portable cluster size); head_dim 128 (8 m-tiles) takes 8. 8 at head_dim 256: of clusters of
+// 16 CTAs (one CTA per SM at 240 registers) fewer than the QSA step's 8 (4 rows x 2 KV heads) fit
+// at once on the H200, so the planner fell back to the merge kernel (see notes).
 #ifndef E4KV_DECODE_CLUSTER_CTAS_D256
 #define E4KV_DECODE_CLUSTER_CTAS_D256 8
 #endif

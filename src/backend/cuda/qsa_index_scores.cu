@@ -8,17 +8,17 @@
 // with the CPU bit for bit.
 //
 // Exact kernel: bit-identical to the CPU reference (qsa/selection.h): each (row, group) is scored
-// by one lane running the reference's loops in the reference's order: each head's dot product is
-// a chain over d = 0..index_dim-1 starting from 0.0f, the heads are summed in order, then one IEEE
-// division by the host's sqrtf(index_dim). The top-k that follows can therefore be compared exactly with the
-// CPU selection. The reference rounds each product, then each sum; here one FFMA does both, and
-// the results are the same bits: both factors are FP16 values widened to fp32 (11 significant bits
-// each), so the product has at most 22 significant bits and lies in [2^-48, 2^32] or is 0: fp32
-// holds it exactly, so round(a * b) = a * b and fma(a, b, c) = round(a * b + c) = the reference's
-// round(round(a * b) + c). The partial sums are multiples of 2^-48, so never fp32 subnormals
-// either (no flush-to-zero difference). Half the FP32 instructions of a multiply and an add (the
-// kernel issued 61-66% of its cycles with the pair). Tensor cores would be faster still but not
-// bit-exact (their accumulation order and rounding differ).
+// by one lane running the reference's loops in the reference's order: each head's dot product is a
+// chain over d = 0..index_dim-1 starting from 0.0f, the heads are summed in order, then one IEEE
+// division by the host's sqrtf(index_dim). The top-k that follows can therefore be compared exactly
+// with the CPU selection. The reference rounds each product, then each sum; here one FFMA does
+// both, and the results are the same bits: both factors are FP16 values widened to fp32 (11
+// significant bits each), so the product has at most 22 significant bits and lies in [2^-48, 2^32]
+// or is 0: fp32 holds it exactly, so round(a * b) = a * b and fma(a, b, c) = round(a * b + c) = the
+// reference's round(round(a * b) + c). The partial sums are multiples of 2^-48, so never fp32
+// subnormals either (no flush-to-zero difference). Half the FP32 instructions of a multiply and an
+// add (the kernel issued 61-66% of its cycles with the pair). Tensor cores would be faster still
+// but not bit-exact (their accumulation order and rounding differ).
 //
 // Work: persistent warps. A warp tile is 64 consecutive groups of one row, two per lane (groups
 // lane and lane + 32), so each broadcast read of the query from shared memory serves two groups.
@@ -43,42 +43,18 @@
 // by the copy itself (cp.async with source size 0, so the copy loop has no branch); the latter
 // are never written. For an unreadable group every product is then +-0 or NaN, so the chain stays
 // +0 or becomes NaN, fmaxf makes it +0 and the score is exactly +0.0f, as the contract says.
-//   note: at 4 rows x 32K groups (4 x 128) on the H200 every warp gets one tile, so the start of
-// a warp (row metadata -> block table -> first stage, dependent loads) is exposed once; ncu shows
-// about 61-66% issue efficiency while SMs are busy and about 20% of the kernel in the ragged tail
-// (SMs whose first stages arrived early finish early; the assignment is static).
-//   Tried and dropped (H200, 2026-12-01, 4 x 32K groups, against this kernel's 15.0 us cold and
-// 10.4 us from L2): a CTA-wide ring, one CTA per SM, in which producer warps fill 64-group slots
-// (rows padded against bank conflicts) for consumer warps, synchronised by mbarriers. One
-// cp.async.bulk per 256-byte row: 45 us (some 1000 small bulk copies per SM). One producer warp
-// with cp.async: 36 us, DRAM 19% busy (a warp kept about one tile of copies in flight). Eight
-// producer warps, 2 to 6 consumers with 2 to 4 slots each (as many 17 KB slots as fit): 18.2 to
-// 23.3 us cold, and about 18 us from L2 too: the math (at least 1440 instructions per lane per
-// tile) needs more warps than a shared-memory ring of whole tiles leaves room for.
-//   Where the time goes (ncu, H200, 2026-12-01, the QSA decode step's shape): cold, half of the
-// stall samples sit on the stage wait (cp.async.wait_group), DRAM 43% busy; with the data in L2
-// the kernel is issue-bound (0.61 instructions per cycle per scheduler at 16 warps per SM): of a
-// warp's 2700 instructions, 1636 are the 4 stages (1024 FFMA, 256 widenings, 160 LDS) and 700
-// run once per warp (row metadata, block table, query widening, the IEEE divisions, stores).
-//   Also tried and dropped the same day (step timed from a CUDA graph, cold; this kernel 14.2 us
-// in the same calls, 10.5 us from L2):
-//   - the compressed rows straight from global memory into registers, no shared-memory ring
-//     (16-dim chunks, 2 to 6 chunks in flight per warp, each waited on by its own registers):
-//     2 chunks (124 registers, 16 warps per SM) 17.9 us cold and 15.9 us from L2; 3, 4 or 6
-//     chunks (156-234 registers, 12 or 8 warps per SM) 20.4-21.4 us;
-//   - 3 stages at 16 warps per SM (14 KB per warp fills the 228 KB exactly): 15.7 us (10.8 from
-//     L2); 4 stages (12 warps per SM): 15.9 us. More bytes in flight per warp do not help;
-//   - the L2 prefetch-size hint on the copies (cp.async ... .L2::256B, the whole 256-byte row
-//     fetched by the first stage): 15.9 us;
-//   - a bulk L2 prefetch of the tile's blocks when a warp starts its tile (cp.async.bulk.
-//     prefetch.L2, 4 KB each): 16.0 us. The unused code alone moved ptxas' allocation (106 -> 96
-//     registers and a 16-byte spill) and cost 0.5 us: this kernel's register allocation is
-//     fragile, so compare any change against the unmodified build in the same call.
+//   note: where every warp gets one tile (the QSA step's 4 x 32K groups), the start of a warp
+// (row metadata -> block table -> first stage, dependent loads) is exposed once, and the static
+// assignment leaves a ragged tail. Cold, the kernel waits on its stages; from L2 it is issue-bound.
+// Its register allocation is fragile (unused code moved it and cost 0.5 us): compare any change
+// against the unmodified build in the same call.
 //
 // Limits: n_index_heads 1..8, index_dim a multiple of 8 and <= 256, any block_size that is a
 // multiple of ratio, fewer than 2^31 compressed rows. Shared memory per warp: kStages x 4 KB + the
 // fp32 query (n_heads * index_dim * 4 bytes); up to 4 warps per CTA. Instructions: sm_75+ (cp.async
 // on sm_80+ only).
+// Experiments: bench/notes/qsa_index_scores.md (the profiles, the rings, register rows, L2 hints
+// and tensor-core variants tried, with their figures).
 #include "backend/cuda/qsa_index_scores.cuh"
 
 #include <cuda_fp16.h>
@@ -106,11 +82,9 @@ constexpr int kRunGroups = int(kQsaRunGroups);  // groups per run maximum
 static_assert(kTileGroups % kRunGroups == 0 && kRunGroups <= 32);
 constexpr int kChunkVecs = 4;               // 16-byte vectors (8 dims) per row
 constexpr int kChunkDims = 8 * kChunkVecs;  // dims per stage
-// Ring depth. 2 (one stage in flight while one is computed) measured 4-6% faster than 3 on the
-// H200 at 4 x 32K groups, from L2 and from HBM alike: a smaller first burst of copies. Again with
-// the FFMA math (2026-12-01), 2 / 3 / 4 stages: 15.3 / 16.3 / 16.4 us cold, 11.5 / 11.7 / 12.9 us
-// from L2 (deeper rings lower the occupancy: 108 registers and 4 warps per CTA already hold it to
-// 16 warps per SM).
+// Ring depth 2 (one stage in flight while one is computed): a smaller first burst of copies, and
+// deeper rings lower the occupancy (108 registers and 4 warps per CTA already hold it to 16 warps
+// per SM). 2 / 3 / 4 stages: 15.3 / 16.3 / 16.4 us cold at 4 x 32K groups (see notes).
 constexpr int kStages = 2;
 constexpr int kStageVecs = kTileGroups * kChunkVecs;        // 256 x 16 bytes
 constexpr int kStageBytes = kStageVecs * 16;                // 4 KB
@@ -352,9 +326,8 @@ __device__ __forceinline__ float finish_score(const float (&acc)[kHeads], float 
 }
 
 template <int kHeads>
-// No minimum of CTAs per SM: asking for 5 (96 registers, a 32-byte spill) or 6 (80 registers, 140
-// bytes) measured 15.9 and 18.1 us cold against 15.7 us at 4 x 32K groups (2026-12-01): more
-// resident warps do not hide what the extra instructions cost.
+// No minimum of CTAs per SM: asking for 5 or 6 made ptxas spill and was slower (15.9 and 18.1
+// against 15.7 us, see notes): more resident warps do not hide what the extra instructions cost.
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
     qsa_index_scores_kernel(const __grid_constant__ ScoresKernelParams p) {
   enter_dependent_grid();
@@ -524,27 +497,9 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 // score can differ from the CPU reference's sequential chain in the last bits (tests: a bound on
 // the summation error, and the top-k checked against the CPU's on the kernel's own scores).
 // QsaIndexScoresArgs::exact selects the FFMA kernel above, which is bit-identical.
-//   Measured (H200, 2026-12-01, the QSA decode step's 4 x 32K groups, cold, from a CUDA graph):
-// 12.4-12.7 us against 14.2 us for the FFMA kernel; a plain cold read of the same 33.5 MB takes
-// 9.7 us. At 16 x 32K groups, 40.2 against 55.3 us (3.3 TB/s). Also tried, each side by side with
-// the kernel of the time in one call:
-//   - every copy of the tile first into the warp's shared memory with cp.async (8 KB per warp,
-//     one round trip; 24 warps per SM, so 1.3 waves): 13.9-14.0 us against 12.4 us;
-//   - the same with whole 256-byte rows per copy instruction: 0.3 us slower still;
-//   - CTAs of 1, 2 or 8 warps instead of 4: 12.5, 12.4 and 13.5 us against 12.5 us;
-//   - the block table and sequence length loaded for sequence `row` beside row_seq (one round
-//     trip less where row_seq[row] == row): no change;
-//   - in this kernel, the block-table entries loaded beside the sequence length instead of after
-//     the visible count (one round trip less): 12.4 against 12.5-12.6 us at 4 rows, 39.9
-//     against 40.2 us at 16 rows, within the spread; not kept;
-//   - the groups as the N dimension (the heads as M, so no register moves for the fragments),
-//     rows into registers: 15.6 us;
-//   - persistent warps in one wave (each walks a contiguous range of tiles, loads its row's
-//     metadata once and the next tile's block-table entries while the current rows are in flight),
-//     against this grid's two waves: 156 registers, 12 warps per SM, 3 tiles per warp: 12.6 against
-//     12.8 us at 4 x 32K groups (step 30.3 against 30.4 us), 40.6 against 40.1-41.2 us at 16 x 32K,
-//     within the spread; capped at 128 registers for 16 warps per SM (2 tiles per warp, 52 bytes
-//     spilled): 13.7-13.9 us. Not kept (2026-12-01).
+// Why fast: a slab's row loads go straight into registers, all in flight together, with no
+// shared-memory round trip; the tensor core does the head products. At 4 x 32K groups, cold, it
+// takes 12.4 us where the FFMA kernel takes 14.2 us and a plain read of the same bytes 9.7 us.
 constexpr int kMmaTileGroups = 32;
 constexpr int kMmaWarps = 4;
 constexpr int kSlabVecs = 16;              // 16-byte vectors per slab: 128 dims
@@ -554,7 +509,7 @@ static_assert(kMmaTileGroups == 32 && kRunGroups == 8);
 // A minimum of one CTA per SM in the launch bounds lets ptxas keep a slab's 16 row loads in flight
 // together (110 registers, 16 warps per SM). Without it ptxas chose 62 registers (32 warps per
 // SM) and spread the loads over three round trips between the mma's: 13.0 against 12.5 us at
-// 4 x 32K groups and 48.2 against 40.2 us at 16 x 32K (H200, 2026-12-01, cold, in one call).
+// 4 x 32K groups (see notes).
 __global__ void __launch_bounds__(kMmaWarps * 32, 1)
     qsa_index_scores_mma_kernel(const __grid_constant__ ScoresKernelParams p) {
   E4KV_TL_ENTER_DEPENDENT_GRID(kTlScores);
@@ -819,9 +774,8 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
 
   // Equal contiguous ranges, no more warps than are resident: ceil(n_tiles / resident) tiles per
   // warp, then as few warps as that needs (so every warp but the last has a full range). More
-  // tiles per warp than that is slower: at 4 x 32K groups (one tile per warp) forcing 2, 3 or 4
-  // tiles per warp measured 12.4, 16.4 and 16.3 us against 11.5 us from L2 (H200, 2026-12-01):
-  // a warp's stages wait on memory one after another, so the kernel wants the most warps.
+  // tiles per warp than that is slower (see notes): a warp's stages wait on memory one after
+  // another, so the kernel wants the most warps.
   const LaunchShape shape = launch_shape(args.n_index_heads, cv.index_dim);
   kp.tiles_per_warp = (kp.n_tiles + shape.resident_warps - 1) / shape.resident_warps;
   kp.n_warps = (kp.n_tiles + kp.tiles_per_warp - 1) / kp.tiles_per_warp;

@@ -14,8 +14,8 @@
 // rank, so groups come out in increasing index and ties go to the lowest indices; the pass stops
 // once k groups are out. Rows with visible <= k take every group without reading scores.
 //
-// One CTA per row leaves most SMs idle and was measured latency-bound (2026-11-29: 74 us at 32K
-// groups, batch 4). So long rows first go through a chunk phase: one CTA of 256 threads per 4096
+// One CTA per row leaves most SMs idle and is latency-bound (74 us at 32K groups, batch 4; see
+// notes). So long rows first go through a chunk phase: one CTA of 256 threads per 4096
 // groups loads its chunk's keys into shared memory, finds the chunk's k-th largest key by the same
 // radix select (on shared memory), and writes its exact local top-k (ties to the lowest index) as
 // (key, group) candidates in group order, padded with key 0, which is below every float's key. A
@@ -24,20 +24,19 @@
 // row kernel then runs on S * k candidates instead of the whole row (8x fewer at 32K groups and
 // k = 512), emitting candidate groups, which are already in increasing group order.
 //
-// The filtered method (the default up to 131072 groups, described before its kernel below) needs
-// no workspace and reads little more than the row's largest scores: 18.3-19.0 us against 28.6 us
-// for the two phases at 32K groups on the H200 (2026-12-01; 17.0 us given the run maxima). One
-// CTA of 1024 threads is issue-bound: 32 warps share 4 schedulers, so every instruction a thread
-// executes costs the SM 8 cycles (ncu: 2.4K instructions per warp, half the kernel's cycles
-// issuing), and the steps were made short in instructions rather than in barriers: a bound from
-// per-warp ballots instead of a block-wide radix select (11K -> 6K cycles), candidates gathered
-// in one visit, kernel instances sized to the row (16 run slots per thread held 4x the code the
-// 32K-group rows need; ncu showed the slot loops as the hottest code). Next: spread a row over
-// several CTAs, which divides the issue work.
-// The device helpers and the cluster method's steps are in qsa_topk_device.cuh, shared with the
-// QSA sparse decode kernel (qsa_sparse_decode.cu).
+// The filtered method (the default up to 131072 groups where clusters are not available,
+// described before its kernel below) needs no workspace and reads little more than the row's
+// largest scores, so it beats the two phases (18.3-19.0 against 28.6 us at 32K groups). One CTA of
+// 1024 threads is issue-bound: 32 warps share 4 schedulers, so every instruction a thread executes
+// costs the SM 8 cycles, and the steps are short in instructions rather than in barriers: a bound
+// from per-warp ballots instead of a block-wide radix select, candidates gathered in one visit,
+// kernel instances sized to the row (more run slots than a row needs are code the loops still
+// walk). The cluster method (sm_90+, the default where available) spreads the filtered steps over
+// the CTAs of a thread-block cluster, which divides the issue work.
+// The device helpers and the cluster method's steps are in qsa_topk_device.cuh.
 // Limits: visible groups and selection width < 2^31. Static shared memory: about 1.2 KB (the
 // filtered kernel: 48 KB dynamic, opted in). Instructions: __match_any_sync (sm_70+).
+// Experiments: bench/notes/qsa_topk.md.
 #include "backend/cuda/qsa_topk.cuh"
 
 #include <cuda_runtime.h>

@@ -1,7 +1,8 @@
 // Device code of the QSA top-k (qsa_topk.cu, which describes the methods): the order keys, the
 // row geometry, the block-wide selects and the ordered emission, and the cluster method's select
-// and emission as device functions, shared with the QSA sparse decode kernel
-// (qsa_sparse_decode.cu), which selects a row's keys in the same cluster that attends over them.
+// and emission as device functions, so that a kernel that selects a row's keys and goes on to use
+// them in the same cluster can share them (bench/experimental/ holds one).
+// Experiments: bench/notes/qsa_topk.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -425,12 +426,12 @@ __device__ __forceinline__ void emit_from_bitmaps(const uint32_t* above_bits,
 
 // ---- Cluster method (sm_90+) ------------------------------------------------------------------
 // The filtered method's steps spread over a thread-block cluster of kClusterCtas CTAs per row
-// (512 threads each; 256 in the QSA sparse decode kernel), which share their candidates through
-// distributed shared memory. The filtered kernel is issue-bound on one SM; here every step that
-// loops over the row's runs or groups divides by the cluster's SMs, and the exact select runs over
-// the candidates only. Global warp g = rank * 16 + warp owns runs [g * rpw, (g + 1) * rpw), rpw =
-// ceil(n_runs / 128), lane l the runs g * rpw + l + 32 s; CTA `rank` owns the contiguous slice of
-// its warps' runs.
+// (512 threads each in qsa_topk.cu; the CTA size is a template parameter), which share their
+// candidates through distributed shared memory. The filtered kernel is issue-bound on one SM; here
+// every step that loops over the row's runs or groups divides by the cluster's SMs, and the exact
+// select runs over the candidates only. Global warp g = rank * 16 + warp owns runs
+// [g * rpw, (g + 1) * rpw), rpw = ceil(n_runs / 128), lane l the runs g * rpw + l + 32 s; CTA
+// `rank` owns the contiguous slice of its warps' runs.
 //  1. Bound: the run maxima go to shared memory; 4 "bound warps" per CTA each take a quarter of
 //     the CTA's slice (4 rpw runs; W / 4 rpw with W warps per CTA). Each of the
 //     P = min(32, floor(n_runs / (4 rpw))) bound warps

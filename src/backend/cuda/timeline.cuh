@@ -17,8 +17,9 @@ inline constexpr int kTimelinePhases = 16;  // phase marks after the kernels' ev
 // Event indices.
 inline constexpr int kTlEntryMin = 0, kTlStartMin = 1, kTlStartMax = 2, kTlExitMin = 3,
                      kTlExitMax = 4;
-// Kernel indices.
-inline constexpr int kTlScores = 0, kTlTopK = 1, kTlDecode = 2, kTlMerge = 3, kTlSparseDecode = 4;
+// Kernel indices; the rest up to kTimelineKernels are free for kernels outside the library
+// (bench/experimental/).
+inline constexpr int kTlScores = 0, kTlTopK = 1, kTlDecode = 2, kTlMerge = 3;
 inline constexpr int kTimelineWords =
     kTimelineKernels * kTimelineEvents * kTimelineSpread + kTimelinePhases;
 
@@ -27,7 +28,6 @@ inline constexpr int kTimelineWords =
 void timeline_attach_scores(unsigned long long* buffer);
 void timeline_attach_top_k(unsigned long long* buffer);
 void timeline_attach_decode(unsigned long long* buffer);
-void timeline_attach_sparse_decode(unsigned long long* buffer);
 #endif
 
 }  // namespace e4kv::cuda

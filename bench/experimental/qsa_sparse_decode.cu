@@ -1,11 +1,12 @@
-// QSA sparse decode: a row's top-k selection and the decode attention over it in one kernel, for
-// each (row, KV head) a thread-block cluster of 8 CTAs of 8 warps (sm_90+).
+// Experimental (nothing in src/ selects it): QSA sparse decode, a row's top-k selection and the
+// decode attention over it in one kernel, for each (row, KV head) a thread-block cluster of 8 CTAs
+// of 8 warps (sm_90+).
 //
-// Why: the QSA decode step was scores -> top-k -> attention, three kernels. At 4 x 128K on the
-// H200 each kernel boundary cost about 1 us (the next kernel's griddepcontrol.wait returns only
-// once the whole previous grid has finished and flushed), and the attention then started with
-// dependent loads of the selection it had just been handed through global memory. Here the
-// cluster that selects a row's keys attends over them:
+// Why: the QSA decode step is scores -> top-k -> attention, three kernels. Each kernel boundary
+// costs about 1 us (the next kernel's griddepcontrol.wait returns only once the whole previous
+// grid has finished and flushed), and the attention then starts with dependent loads of the
+// selection it has just been handed through global memory. Here the cluster that selects a row's
+// keys attends over them:
 //   1. cluster_select (qsa_topk_device.cuh) with CTAs of 256 threads: the bound from the run
 //      maxima, the candidates exchanged through distributed shared memory, T and the ties.
 //   2. The key list in shared memory, in every CTA alike: every CTA holds all candidates in the
@@ -23,21 +24,16 @@
 // The selection's scratch lies in the attention's rings (used only after it), the key list behind
 // the attention's shared memory.
 //
-// Status (H200, 2026-12-01, 4 x 128K, E4M3 native, cold, from a CUDA graph; bench/RESULTS.md):
-// correct, but not yet faster. This kernel takes 19.0-19.6 us where the top-k and the
-// cluster-merge decode take 8.2-8.6 + 8.8 us, and the step 32.0-34.2 against 30.1-31.1 us. The
-// timeline puts the select at 6.4 us from entry to T (the 512-thread top-k: 5.1 us), the key list
-// at 2 us and the attention, keys to exit, at 11.3 us (the decode kernel: 8.7 us). ncu: 16.2
-// cycles per issued instruction, half of them waiting for instruction fetch (the decode kernel
-// alone: 6.7), 203 registers where the decode kernel's allocation has 240. Also measured: the
-// select compiled apart (__noinline__) or the attention compiled apart, no better; the q rows
-// prefetched to L2 during the select. So nothing picks this kernel: qsa_sparse_decode runs when
-// called, and e4kv_bench_qsa_decode measures it beside the two kernels ("+sd").
+// Status: correct (test_qsa_sparse_decode.cu), but slower than the top-k and the cluster-merge
+// decode as two kernels (at 4 x 128K on the H200, the step 32.0-34.2 against 30.1-31.1 us), so
+// nothing picks it.
 //
 // Limits: those of the cluster-merge decode instance (head_dim 128/256, GQA group <= 8, the async
 // path) and of the cluster select with 2 runs per lane (rows up to 32768 groups); selection width
 // <= kDecodeClusterMaxKeys.
-#include "backend/cuda/qsa_sparse_decode.cuh"
+// Experiments: bench/notes/qsa_sparse_decode.md (the measurements, the timeline and ncu profile,
+// the variants tried; the benchmark rows it had in bench_qsa_decode.cu).
+#include "experimental/qsa_sparse_decode.cuh"
 
 #include <cuda_runtime.h>
 
@@ -69,6 +65,7 @@ using Select = ClusterShape<kThreads, kSlots>;
 static_assert(Select::kMaxGroups == kQsaSparseDecodeMaxGroups);
 static_assert(kCluster == top_k_device::kClusterCtas);
 constexpr int kKeysCapacity = int(kDecodeClusterMaxKeys);
+constexpr int kTlSparseDecode = kTlMerge + 1;  // this kernel's timeline index (timeline.cuh)
 
 struct SparseDecodeParams {
   FilterKernelParams select;
@@ -297,9 +294,7 @@ Result<DecodeClusterMerge> qsa_sparse_decode_clusters(const KvCacheGeometry& geo
                                                       const DecodeAttentionConfig& config,
                                                       int device) {
   E4KV_RETURN_IF_ERROR(check_decode_attention_shape(geo, n_heads));
-  if (!qsa_sparse_decode_enabled() || compute_capability(device) < 90) {
-    return DecodeClusterMerge{};
-  }
+  if (compute_capability(device) < 90) return DecodeClusterMerge{};
   const SparseInstance inst =
       select_instance(geo.head_dim, n_heads / geo.n_kv_heads, geo.dtype, config);
   if (inst.kernel == nullptr) return DecodeClusterMerge{};

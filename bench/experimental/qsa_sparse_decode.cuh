@@ -1,9 +1,9 @@
-// QSA sparse decode in one kernel: each row's exact top-k selection (qsa_topk.cuh, DESIGN.md
-// section 4, steps 6-7) and the decode attention over the selected keys
-// (paged_decode_attention.cuh) in the same thread-block cluster, so the selection never leaves
-// shared memory and the step has no kernel boundary between them (sm_90+). Measured slower than the
-// two kernels so far (qsa_sparse_decode.cu says by how much and why), so no planner picks it yet.
-// Host-only header.
+// Experimental (bench/experimental/, not in the library): QSA sparse decode in one kernel: each
+// row's exact top-k selection (qsa_topk.cuh, DESIGN.md section 4, steps 6-7) and the decode
+// attention over the selected keys (paged_decode_attention.cuh) in the same thread-block cluster,
+// so the selection never leaves shared memory and the step has no kernel boundary between them
+// (sm_90+). Measured slower than the two kernels (bench/notes/qsa_sparse_decode.md), so nothing
+// picks it. Host-only header.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -33,9 +33,8 @@ inline constexpr int64_t kQsaSparseDecodeMaxGroups = 32768;
 
 // The sparse decode kernel on `device` for this attention shape and config: how many clusters
 // (each one row and KV head) run at once, and the splits of one. All 0 where it does not run:
-// below sm_90 or without sm_90 code in this build, the registers load path, head_dim 64, a GQA
-// group above 8, or qsa_sparse_decode_enabled() false. Errors name a shape outside the decode
-// kernel's limits.
+// below sm_90 or without sm_90 code in this build, the registers load path, head_dim 64, or a GQA
+// group above 8. Errors name a shape outside the decode kernel's limits.
 Result<DecodeClusterMerge> qsa_sparse_decode_clusters(const KvCacheGeometry& geo, int64_t n_heads,
                                                       const DecodeAttentionConfig& config,
                                                       int device);
@@ -57,5 +56,10 @@ DecodeAttentionPlan plan_qsa_sparse_decode(int64_t n_rows, int64_t n_kv_heads, i
 // Returns an error for bad arguments; launch failures are fatal.
 Status qsa_sparse_decode(const QsaSparseDecodeArgs& args, const DecodeAttentionPlan& plan,
                          const DecodeAttentionConfig& config, cudaStream_t stream);
+
+#ifdef E4KV_TIMELINE
+// Attach the timeline buffer (timeline.cuh) to this kernel's probes.
+void timeline_attach_sparse_decode(unsigned long long* buffer);
+#endif
 
 }  // namespace e4kv::cuda

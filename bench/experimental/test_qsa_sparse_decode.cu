@@ -20,8 +20,8 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/paged_decode_attention.cuh"
-#include "backend/cuda/qsa_sparse_decode.cuh"
 #include "device_buffer.cuh"
+#include "experimental/qsa_sparse_decode.cuh"
 #include "qsa/selection.h"
 
 namespace e4kv::cuda {
