@@ -65,7 +65,7 @@ using Select = ClusterShape<kThreads, kSlots>;
 static_assert(Select::kMaxGroups == kQsaSparseDecodeMaxGroups);
 static_assert(kCluster == top_k_device::kClusterCtas);
 constexpr int kKeysCapacity = int(kDecodeClusterMaxKeys);
-constexpr int kTlSparseDecode = kTlMerge + 1;  // this kernel's timeline index (timeline.cuh)
+[[maybe_unused]] constexpr int kTlSparseDecode = kTlMerge + 1;  // this kernel's timeline index (timeline.cuh)
 
 struct SparseDecodeParams {
   FilterKernelParams select;
