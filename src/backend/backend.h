@@ -21,7 +21,7 @@
 #include <utility>
 
 #include "backend/attention_params.h"
-#include "backend/cpu/norm_rope.h"
+#include "backend/rms_norm_form.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "io/safetensors.h"

@@ -2,12 +2,17 @@
 // status, standard output and standard error.
 #pragma once
 
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -30,6 +35,15 @@ struct RunResult {
   std::string err;
 };
 
+// True when `err` holds a report of AddressSanitizer, LeakSanitizer or UndefinedBehaviorSanitizer
+// (a sanitizer build, `make test-sanitize`): the e4kv process under test broke memory safety or
+// hit undefined behaviour, whatever its exit code says.
+inline bool has_sanitizer_report(const std::string& err) {
+  return err.find("ERROR: AddressSanitizer") != std::string::npos ||
+         err.find("ERROR: LeakSanitizer") != std::string::npos ||
+         err.find(": runtime error: ") != std::string::npos;
+}
+
 // Runs `[env] e4kv args...` with stdout and stderr captured in files under `scratch`. `env` is
 // prepended as is (e.g. "E4KV_TEST_CRASH_AT=after-links").
 inline RunResult run_cli(const std::filesystem::path& scratch, const std::vector<std::string>& args,
@@ -44,6 +58,75 @@ inline RunResult run_cli(const std::filesystem::path& scratch, const std::vector
   RunResult result;
   result.exited = status != -1 && WIFEXITED(status);
   result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
+  result.out = read_text(out_path);
+  result.err = read_text(err_path);
+  std::filesystem::remove(out_path);
+  std::filesystem::remove(err_path);
+  EXPECT_FALSE(has_sanitizer_report(result.err)) << result.err;
+  return result;
+}
+
+struct TimedRunResult : RunResult {
+  int signal = 0;          // the signal that ended the process, 0 when it exited
+  bool timed_out = false;  // killed (SIGKILL) by run_cli_timed after the timeout
+  double seconds = 0.0;    // wall time
+};
+
+// Runs `e4kv args...` directly (no shell) with stdout and stderr captured in files under `scratch`,
+// in a process group of its own that is killed when it runs longer than `timeout`: a hang is a
+// test failure, not a stuck CI job. Reports the signal that ended the process, if any.
+inline TimedRunResult run_cli_timed(const std::filesystem::path& scratch,
+                                    const std::vector<std::string>& args,
+                                    std::chrono::milliseconds timeout) {
+  const std::filesystem::path out_path = scratch / "stdout.txt";
+  const std::filesystem::path err_path = scratch / "stderr.txt";
+  std::vector<std::string> argv_text{E4KV_CLI_PATH};
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : argv_text) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+
+  TimedRunResult result;
+  const auto start = std::chrono::steady_clock::now();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // The child: only async-signal-safe calls until exec.
+    ::setpgid(0, 0);
+    const int out_fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    if (out_fd < 0 || err_fd < 0 || null_fd < 0) ::_exit(127);
+    ::dup2(null_fd, STDIN_FILENO);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  if (pid < 0) {
+    ADD_FAILURE() << "fork failed";
+    return result;
+  }
+  ::setpgid(pid, pid);  // also here, so the group exists whichever of the two runs first
+  int status = 0;
+  while (true) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0) {
+      ADD_FAILURE() << "waitpid failed";
+      return result;
+    }
+    if (std::chrono::steady_clock::now() - start > timeout) {
+      result.timed_out = true;
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.exited = WIFEXITED(status);
+  result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
+  result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   result.out = read_text(out_path);
   result.err = read_text(err_path);
   std::filesystem::remove(out_path);

@@ -11,7 +11,9 @@
 
 #include "commands.h"
 #include "io/model_config.h"
+#include "kv/block_allocator.h"
 #include "kv/capacity.h"
+#include "numeric_flags.h"
 
 namespace e4kv::cli {
 namespace {
@@ -38,12 +40,16 @@ Status run_capacity(const CapacityArgs& args) {
     return Status::error(cat("--budget-gib: expected a positive number of GiB (at most 1e6), got ",
                              args.budget_gib));
   }
-  if (args.request_tokens && *args.request_tokens <= 0) {
-    return Status::error(
-        cat("--request-tokens: expected a positive token count, got ", *args.request_tokens));
+  if (args.request_tokens && (*args.request_tokens <= 0 || *args.request_tokens > kMaxTokenCount)) {
+    return Status::error(cat("--request-tokens: expected 1 to ", kMaxTokenCount, " tokens, got ",
+                             *args.request_tokens));
   }
-  if (args.reserved_seqs < 0) {
-    return Status::error(cat("--max-seqs: expected 0 or more sequences, got ", args.reserved_seqs));
+  if (args.reserved_seqs < 0 || args.reserved_seqs > kMaxSequences) {
+    return Status::error(
+        cat("--max-seqs: expected 0 to ", kMaxSequences, " sequences, got ", args.reserved_seqs));
+  }
+  if (Status block = validate_block_size(args.block_size); !block.ok()) {
+    return Status::error(cat("--block-size: ", block.message()));
   }
   E4KV_ASSIGN_OR_RETURN(const ModelConfig config, load_model_config(args.model_dir));
   Result<KvCacheLayout> layout_or = kv_cache_layout(config, args.block_size);
@@ -59,9 +65,17 @@ Status run_capacity(const CapacityArgs& args) {
 
   Side sides[2] = {{KvCacheDtype::kF16, {}, {}}, {KvCacheDtype::kE4m3, {}, {}}};
   for (Side& side : sides) {
-    side.capacity = kv_capacity(layout, side.dtype, budget_bytes, args.reserved_seqs);
+    Result<KvCapacity> capacity = kv_capacity(layout, side.dtype, budget_bytes, args.reserved_seqs);
+    if (!capacity.ok()) return Status::error(cat("--max-seqs ", args.reserved_seqs, ": ", capacity.message()));
+    side.capacity = *capacity;
     if (request_tokens) {
-      side.concurrency = request_concurrency(layout, side.dtype, budget_bytes, *request_tokens);
+      Result<RequestConcurrency> concurrency =
+          request_concurrency(layout, side.dtype, budget_bytes, *request_tokens);
+      if (!concurrency.ok()) {
+        return Status::error(cat(args.request_tokens ? "--request-tokens " : "max_position_embeddings ",
+                                 *request_tokens, ": ", concurrency.message()));
+      }
+      side.concurrency = *concurrency;
     }
   }
   const Side& f16 = sides[0];
@@ -156,15 +170,20 @@ void add_capacity_command(CLI::App& app, Status& result) {
       "capacity", "KV cache tokens and request concurrency for a memory budget, FP16 vs E4M3");
   auto args = std::make_shared<CapacityArgs>();
   cmd->add_option("MODEL_DIR", args->model_dir, "Model directory with config.json")->required();
-  cmd->add_option("--budget-gib", args->budget_gib, "KV cache memory budget in GiB")->required();
+  cmd->add_option("--budget-gib", args->budget_gib, "KV cache memory budget in GiB")
+      ->transform(finite_number())
+      ->required();
   cmd->add_option_function<int64_t>(
-      "--request-tokens", [args](const int64_t& n) { args->request_tokens = n; },
-      "Tokens per request (prompt + output) for the concurrency figure (default: "
-      "max_position_embeddings)");
+         "--request-tokens", [args](const int64_t& n) { args->request_tokens = n; },
+         "Tokens per request (prompt + output) for the concurrency figure (default: "
+         "max_position_embeddings)")
+      ->transform(decimal_integer<int64_t>());
   cmd->add_option("--block-size", args->block_size, "Tokens per block (a multiple of 16)")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option("--max-seqs", args->reserved_seqs,
                   "Sequences whose QSA raw rings are reserved before counting blocks")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &result] { result = run_capacity(*args); });

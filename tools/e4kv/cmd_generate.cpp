@@ -9,10 +9,13 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "core/checked.h"
+#include "core/utf8.h"
 #include "engine/generate.h"
 #include "io/generation_config.h"
 #include "io/tokenizer.h"
 #include "model_setup.h"
+#include "numeric_flags.h"
 
 namespace e4kv::cli {
 namespace {
@@ -35,8 +38,14 @@ Status run_generate(const GenerateArgs& args) {
   if (args.prompt.has_value() == args.prompt_ids.has_value()) {
     return Status::error("give exactly one of --prompt TEXT and --prompt-ids 1,2,3");
   }
-  if (args.max_tokens < 0) {
-    return Status::error(cat("--max-tokens must be >= 0, got ", args.max_tokens));
+  E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
+  if (args.max_tokens < 0 || args.max_tokens > kMaxTokenCount) {
+    return Status::error(
+        cat("--max-tokens: expected 0 to ", kMaxTokenCount, " tokens, got ", args.max_tokens));
+  }
+  if (args.prefill_chunk < 0 || args.prefill_chunk > kMaxTokenCount) {
+    return Status::error(cat("--prefill-chunk: expected 0 (the whole prompt) to ", kMaxTokenCount,
+                             " tokens, got ", args.prefill_chunk));
   }
   SamplingParams sampling;
   sampling.temperature = args.temperature;
@@ -64,6 +73,11 @@ Status run_generate(const GenerateArgs& args) {
 
   std::vector<int32_t> prompt;
   if (args.prompt) {
+    if (const std::optional<size_t> bad = first_invalid_utf8(*args.prompt)) {
+      return Status::error(cat("--prompt: invalid UTF-8 at byte ", *bad,
+                               "; e4kv encodes UTF-8 text only (convert the input, e.g. with "
+                               "iconv)"));
+    }
     prompt = tokenizer->encode(*args.prompt, /*add_special_tokens=*/true);
     if (prompt.empty()) return Status::error("--prompt encodes to no tokens; give some text");
   } else {
@@ -72,7 +86,7 @@ Status run_generate(const GenerateArgs& args) {
 
   E4KV_ASSIGN_OR_RETURN(
       LoadedModel loaded,
-      load_model(args.model, static_cast<int64_t>(prompt.size()) + args.max_tokens));
+      load_model(args.model, saturating_add(static_cast<int64_t>(prompt.size()), args.max_tokens)));
   GenerateOptions options;
   options.max_tokens = args.max_tokens;
   options.sampling = sampling;
@@ -133,17 +147,24 @@ void add_generate_command(CLI::App& app, Status& result) {
       "--prompt-ids", [args](const std::string& text) { args->prompt_ids = text; },
       "Prompt token ids, comma-separated (1,2,3)");
   cmd->add_option("--max-tokens", args->max_tokens, "Most tokens to generate")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
+      ->transform(finite_number())
       ->capture_default_str();
-  cmd->add_option("--top-p", args->top_p, "Nucleus sampling mass; 1 = off")->capture_default_str();
+  cmd->add_option("--top-p", args->top_p, "Nucleus sampling mass; 1 = off")
+      ->transform(finite_number())
+      ->capture_default_str();
   cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = off")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the sampler (runs are reproducible)")
+      ->transform(decimal_integer<uint64_t>())
       ->capture_default_str();
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at end-of-sequence tokens");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Prompt tokens per prefill forward; 0 = the whole prompt at once")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_flag("--json", args->json,
                 "Print {\"output_ids\", \"text\", \"finish_reason\", \"prompt_ids\"} at the end "

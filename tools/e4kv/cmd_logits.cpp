@@ -30,6 +30,7 @@ void append_float(std::string& out, float value) {
 }
 
 Status run_logits(const LogitsArgs& args) {
+  E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
   E4KV_ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_id_list("--ids", args.ids));
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
                         load_model(args.model, static_cast<int64_t>(ids.size())));

@@ -3,9 +3,8 @@
 // K/V scale per KV-cache layer, writes scales.json (the input of `e4kv overlay`) and a report
 // (report.json, report.md, report.svg). Conventions: calib/summarize.h.
 #include <cstdio>
-#include <fstream>
+#include <filesystem>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -14,6 +13,7 @@
 #include "calib/scales_file.h"
 #include "calib/summarize.h"
 #include "commands.h"
+#include "core/file_io.h"
 #include "core/sha256.h"
 
 namespace e4kv::cli {
@@ -25,23 +25,43 @@ struct SummarizeArgs {
   std::string envelope;
   std::string out;
   std::string report_dir;
+  bool force = false;
 };
 
-Result<std::string> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(cat(path, ": cannot open the statistics file"));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(cat(path, ": read error"));
-  return text.str();
+
+// Every output is checked before anything is read or written: none may be an input, lie inside a
+// checkpoint, or replace a file without --force.
+Status check_outputs(const SummarizeArgs& args) {
+  OutputRules rules;
+  rules.force = args.force;
+  for (const std::string& path : args.stats) rules.inputs.emplace_back(path);
+  if (!args.envelope.empty()) rules.inputs.emplace_back(args.envelope);
+  if (Status out = check_output_file(args.out, rules); !out.ok()) {
+    return Status::error(cat("--out: ", out.message()));
+  }
+  const std::filesystem::path report(args.report_dir);
+  std::error_code ec;
+  if (!std::filesystem::exists(report, ec)) {
+    if (Status dir = check_output_dir(report, rules); !dir.ok()) {
+      return Status::error(cat("--report: ", dir.message()));
+    }
+    return ok_status();
+  }
+  for (const char* name : {"report.json", "report.md", "report.svg"}) {
+    if (Status file = check_output_file(report / name, rules); !file.ok()) {
+      return Status::error(cat("--report: ", file.message()));
+    }
+  }
+  return ok_status();
 }
 
 Status run_summarize(const SummarizeArgs& args) {
+  E4KV_RETURN_IF_ERROR(check_outputs(args));
   SummarizeOptions options;
   E4KV_ASSIGN_OR_RETURN(options.policy, parse_scale_policy(args.policy));
   std::vector<SummaryInput> inputs;
   for (const std::string& path : args.stats) {
-    E4KV_ASSIGN_OR_RETURN(const std::string text, read_bytes(path));
+    E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
     E4KV_ASSIGN_OR_RETURN(KvStats stats, parse_kv_stats(text, path));
     inputs.push_back({path, sha256_hex(text), std::move(stats)});
   }
@@ -96,6 +116,9 @@ void add_summarize_command(CLI::App& app, Status& result) {
   cmd->add_option("--report", args->report_dir,
                   "Directory for report.json, report.md and report.svg (created if needed)")
       ->required();
+  cmd->add_flag("--force", args->force,
+                "Replace an existing scales file and report files (never an input or a file in a "
+                "checkpoint)");
   cmd->callback([args, &result] { result = one_line(run_summarize(*args)); });
 }
 

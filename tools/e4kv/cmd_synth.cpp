@@ -7,7 +7,9 @@
 
 #include "commands.h"
 #include "core/dtype.h"
+#include "core/file_io.h"
 #include "io/checkpoint.h"
+#include "numeric_flags.h"
 #include "testing/synth_checkpoint.h"
 #include "testing/synth_tokenizer.h"
 
@@ -55,6 +57,21 @@ Status run_synth(const SynthArgs& args) {
   options.vocab_size = args.vocab_size;
   options.rope_type = args.rope_type;
   options.with_tokenizer = !args.no_tokenizer;
+  // The synthetic checkpoint's own limits (testing/synth_checkpoint.cpp), checked here so that the
+  // message names the flag.
+  const struct {
+    const char* flag;
+    int64_t value;
+    int64_t max;
+  } sizes[] = {{"--layers", options.n_layers, 1000},       {"--shards", args.shards, 99999},
+               {"--hidden-size", args.hidden_size, 65536}, {"--heads", args.heads, 65536},
+               {"--kv-heads", args.kv_heads, 65536},       {"--head-dim", args.head_dim, 65536},
+               {"--vocab", args.vocab_size, 1 << 20}};
+  for (const auto& size : sizes) {
+    if (size.value <= 0 || size.value > size.max) {
+      return Status::error(cat(size.flag, ": expected 1 to ", size.max, ", got ", size.value));
+    }
+  }
   if (options.with_tokenizer && options.vocab_size < kSynthTokenizerMinVocab) {
     return Status::error(cat("--vocab ", options.vocab_size, " is below the ",
                              kSynthTokenizerMinVocab,
@@ -63,26 +80,17 @@ Status run_synth(const SynthArgs& args) {
   }
 
   const std::filesystem::path dir(args.out_dir);
-  std::error_code ec;
-  const bool existed = std::filesystem::exists(dir, ec);
-  if (existed) {
-    if (!std::filesystem::is_directory(dir, ec)) {
-      return Status::error(cat(dir.string(), ": exists and is not a directory"));
-    }
-    if (!std::filesystem::is_empty(dir, ec)) {
-      return Status::error(cat(dir.string(), ": directory is not empty; choose a new OUT_DIR"));
-    }
+  if (Status out = check_output_dir(dir, OutputRules{}); !out.ok()) {
+    return Status::error(cat("OUT_DIR ", out.message()));
   }
-  Status written = write_synth_checkpoint(dir, options);
+  // Built beside the target and renamed onto it, so a failure or a kill leaves no half-written
+  // checkpoint under the final name.
+  E4KV_ASSIGN_OR_RETURN(const std::filesystem::path temp, make_temporary_dir_for(dir));
+  Status written = write_synth_checkpoint(temp, options);
+  if (written.ok()) written = rename_path(temp, dir);
   if (!written.ok()) {
-    // Leave no half-written checkpoint behind.
-    if (existed) {
-      for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-        std::filesystem::remove_all(entry.path(), ec);
-      }
-    } else {
-      std::filesystem::remove_all(dir, ec);
-    }
+    std::error_code ec;
+    std::filesystem::remove_all(temp, ec);
     return written;
   }
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
@@ -117,20 +125,34 @@ void add_synth_command(CLI::App& app, Status& result) {
   cmd->add_flag("--no-tokenizer", args->no_tokenizer,
                 "Do not write the synthetic tokenizer (tokenizer.json, tokenizer_config.json)");
   cmd->add_option_function<int64_t>(
-      "--layers", [args](const int64_t& n) { args->layers = n; },
-      "Number of layers (default: llama 4, qwen4exp 8)");
+         "--layers", [args](const int64_t& n) { args->layers = n; },
+         "Number of layers (default: llama 4, qwen4exp 8)")
+      ->transform(decimal_integer<int64_t>());
   cmd->add_option("--shards", args->shards,
                   "Number of safetensors files; more than 1 writes an index")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "Weight dtype: f16, bf16 or f32")->capture_default_str();
   cmd->add_flag("--with-kv-scales", args->with_kv_scales,
                 "Add F32 self_attn.k_scale / v_scale for every KV-cache layer");
-  cmd->add_option("--seed", args->seed, "Seed of the weight generator")->capture_default_str();
-  cmd->add_option("--hidden-size", args->hidden_size, "Hidden size")->capture_default_str();
-  cmd->add_option("--heads", args->heads, "Query heads")->capture_default_str();
-  cmd->add_option("--kv-heads", args->kv_heads, "Key/value heads")->capture_default_str();
-  cmd->add_option("--head-dim", args->head_dim, "Head dimension")->capture_default_str();
-  cmd->add_option("--vocab", args->vocab_size, "Vocabulary size")->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the weight generator")
+      ->transform(decimal_integer<uint64_t>())
+      ->capture_default_str();
+  cmd->add_option("--hidden-size", args->hidden_size, "Hidden size")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--heads", args->heads, "Query heads")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--kv-heads", args->kv_heads, "Key/value heads")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--head-dim", args->head_dim, "Head dimension")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--vocab", args->vocab_size, "Vocabulary size")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
   cmd->add_flag("--tie-embeddings", args->tie_embeddings, "Tie lm_head to the embedding");
   cmd->callback([args, &result] { result = one_line(run_synth(*args)); });
 }

@@ -18,9 +18,11 @@
 
 #include "calib/kv_stats.h"
 #include "commands.h"
+#include "core/file_io.h"
 #include "core/half.h"
 #include "io/checkpoint.h"
 #include "kv/scale_gate.h"
+#include "numeric_flags.h"
 
 namespace e4kv::cli {
 namespace {
@@ -32,6 +34,7 @@ struct SynthStatsArgs {
   int64_t tokens = 2048;
   uint64_t seed = 0;
   double magnitude = 0.15;
+  bool force = false;
 };
 
 class SplitMix64 {
@@ -95,6 +98,12 @@ Status run_synth_stats(const SynthStatsArgs& args) {
     return Status::error(
         cat("--scale-magnitude: expected a positive number up to 1000, got ", args.magnitude));
   }
+  OutputRules rules;
+  rules.force = args.force;
+  rules.inputs.emplace_back(args.model_dir);
+  if (Status out = check_output_file(args.out, rules); !out.ok()) {
+    return Status::error(cat("--out: ", out.message()));
+  }
   E4KV_ASSIGN_OR_RETURN(const Checkpoint ckpt, Checkpoint::open(args.model_dir));
   const ModelConfig& config = ckpt.config();
   const std::vector<int64_t> kv_layers = config.kv_cache_layers();
@@ -154,12 +163,19 @@ void add_synth_stats_command(CLI::App& app, Status& result) {
   cmd->add_option("MODEL_DIR", args->model_dir, "Checkpoint directory (config.json + weights)")
       ->required();
   cmd->add_option("--out", args->out, "Statistics file to write (JSON lines)")->required();
+  cmd->add_flag("--force", args->force, "Replace an existing statistics file");
   cmd->add_option("--shard", args->shard, "Shard number recorded in the file")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
-  cmd->add_option("--tokens", args->tokens, "Tokens per layer")->capture_default_str();
-  cmd->add_option("--seed", args->seed, "Seed of the generator")->capture_default_str();
+  cmd->add_option("--tokens", args->tokens, "Tokens per layer")
+      ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "Seed of the generator")
+      ->transform(decimal_integer<uint64_t>())
+      ->capture_default_str();
   cmd->add_option("--scale-magnitude", args->magnitude,
                   "Standard deviation of an ordinary channel (outliers are 20-50x)")
+      ->transform(finite_number())
       ->capture_default_str();
   cmd->callback([args, &result] { result = one_line(run_synth_stats(*args)); });
 }

@@ -5,12 +5,14 @@
 #include <iostream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "core/utf8.h"
 #include "io/tokenizer.h"
 
 namespace e4kv::cli {
@@ -83,8 +85,22 @@ Status run_tokenize(const TokenizeArgs& args) {
   E4KV_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::from_model_dir(args.model_dir));
   std::string text = args.text;
   if (text == "-") {
-    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+    // Bounded: a prompt is text, and /dev/zero on standard input must not exhaust memory.
+    constexpr size_t kMaxStdinBytes = size_t{64} << 20;
+    text.clear();
+    char buffer[65536];
+    while (std::cin.read(buffer, sizeof(buffer)) || std::cin.gcount() > 0) {
+      text.append(buffer, size_t(std::cin.gcount()));
+      if (text.size() > kMaxStdinBytes) {
+        return Status::error(cat("--text -: standard input is longer than ", kMaxStdinBytes,
+                                 " bytes; tokenize a shorter text"));
+      }
+    }
     if (std::cin.bad()) return Status::error("--text -: reading standard input failed");
+  }
+  if (const std::optional<size_t> bad = first_invalid_utf8(text)) {
+    return Status::error(cat("--text: invalid UTF-8 at byte ", *bad,
+                             "; e4kv encodes UTF-8 text only (convert the input, e.g. with iconv)"));
   }
   const std::vector<int32_t> ids = tokenizer.encode(text, !args.no_special);
   if (args.json) {

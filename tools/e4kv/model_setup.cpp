@@ -8,6 +8,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "kv/block_allocator.h"
 #include "kv/scale_gate.h"
+#include "numeric_flags.h"
 #if defined(E4KV_HAVE_CUDA_BACKEND)
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -25,10 +26,30 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
                   "(1.0, a negative control)")
       ->capture_default_str();
   cmd->add_option("--block-size", flags.block_size, "Tokens per KV cache block (multiple of 16)")
+      ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option("--max-model-len", flags.max_model_len,
-                  "Longest sequence (prompt + output); default: max_position_embeddings");
-  cmd->add_option("--threads", flags.threads, "CPU threads (0: all)")->capture_default_str();
+                  "Longest sequence (prompt + output); default: max_position_embeddings")
+      ->transform(decimal_integer<int64_t>());
+  cmd->add_option("--threads", flags.threads, "CPU threads (0: all)")
+      ->transform(decimal_integer<int>())
+      ->capture_default_str();
+}
+
+Status validate_model_flags(const ModelFlags& flags) {
+  if (flags.block_size <= 0 || flags.block_size % 16 != 0 || flags.block_size > kMaxBlockSize) {
+    return Status::error(cat("--block-size: expected a positive multiple of 16 no larger than ",
+                             kMaxBlockSize, ", got ", flags.block_size));
+  }
+  if (flags.max_model_len < 0 || flags.max_model_len > kMaxTokenCount) {
+    return Status::error(cat("--max-model-len: expected 0 (max_position_embeddings) to ",
+                             kMaxTokenCount, " tokens, got ", flags.max_model_len));
+  }
+  if (flags.threads < 0 || flags.threads > kMaxThreads) {
+    return Status::error(cat("--threads: expected 0 (one per hardware thread) to ", kMaxThreads,
+                             ", got ", flags.threads));
+  }
+  return ok_status();
 }
 
 Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads) {
@@ -63,13 +84,7 @@ Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int thr
 Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens) {
   E4KV_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(flags.kv_cache_dtype));
   E4KV_ASSIGN_OR_RETURN(KvScalesMode mode, parse_kv_scales_mode(flags.kv_scales));
-  if (flags.block_size <= 0 || flags.block_size % 16 != 0) {
-    return Status::error(
-        cat("--block-size must be a positive multiple of 16, got ", flags.block_size));
-  }
-  if (flags.max_model_len < 0) {
-    return Status::error(cat("--max-model-len must be positive, got ", flags.max_model_len));
-  }
+  E4KV_RETURN_IF_ERROR(validate_model_flags(flags));
   std::error_code ec;
   if (!std::filesystem::is_directory(flags.model_dir, ec)) {
     return Status::error(cat(flags.model_dir,

@@ -29,6 +29,9 @@ struct ModelFlags {
 // Adds MODEL and the flags above to `cmd`.
 void add_model_flags(CLI::App* cmd, ModelFlags& flags);
 
+// The ranges of the numeric flags above; errors name the flag. load_model checks them too.
+Status validate_model_flags(const ModelFlags& flags);
+
 struct LoadedModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Checkpoint> checkpoint;

@@ -25,12 +25,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace e4kv {
+#include "backend/rms_norm_form.h"
 
-enum class RmsNormForm {
-  kWeight,         // x * r * w
-  kOnePlusWeight,  // x * r * (1 + w)
-};
+namespace e4kv {
 
 // out = RMSNorm(x). x, out: [dim] FP16 bits (out may alias x); weight: [dim] FP16 bits.
 void rms_norm_row_f16(const uint16_t* x, const uint16_t* weight, int64_t dim, float eps,

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "backend/cpu/norm_rope.h"
+#include "backend/rms_norm_form.h"
 
 namespace e4kv::cuda {
 

@@ -1,0 +1,91 @@
+// Numeric flags read strictly. CLI11 2.1 converts an option's text with strtoll / strtoull /
+// strtold (base 0), so on its own it reads "010" as octal 8, "0x10" as 16, "-1" as 2^64 - 1 for an
+// unsigned flag, clamps "99999999999999999999" to INT64_MAX without a word, and takes "nan",
+// "inf" and "1e999" (= inf) for a floating-point flag. The validators below run on the text before
+// that conversion (CLI::Option::transform), so every numeric flag is plain decimal:
+//   - an integer flag takes an optional '-' (signed types only) and decimal digits that fit its
+//     type; the text is rewritten to canonical decimal ("010" -> "10") so CLI11 cannot read it as
+//     octal. Hex is refused with the rest: no size or count here needs it, and one rule is easier
+//     to state than "hex yes, octal no".
+//   - a number flag takes a finite decimal number (std::from_chars' general format: no hex float,
+//     no nan/inf, nothing that overflows a double).
+// A flag that fails is a usage error: main prints "e4kv: error: --flag: ..." and exits 2. The range
+// of a flag's value is its command's business ("--flag: expected ..., got X", exit code 1).
+#pragma once
+
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <system_error>
+#include <type_traits>
+
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+
+namespace e4kv::cli {
+
+// The most tokens a token-count flag takes (--max-model-len, --max-tokens, --prefill-chunk,
+// --request-tokens): positions are int32 in a forward batch, so no sequence is longer.
+inline constexpr int64_t kMaxTokenCount = std::numeric_limits<int32_t>::max();
+// The most sequences --max-seqs reserves for (sequence ids are int32 too).
+inline constexpr int64_t kMaxSequences = std::numeric_limits<int32_t>::max();
+// The most CPU threads --threads takes (0 is one per hardware thread).
+inline constexpr int64_t kMaxThreads = 4096;
+
+// The flag's text for an error message: on one line, and short.
+inline std::string flag_text_for_message(const std::string& text) {
+  std::string out = text.size() > 40 ? text.substr(0, 37) + "..." : text;
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  }
+  return out;
+}
+
+// For an integer flag of type T: ->transform(decimal_integer<T>()).
+template <typename T>
+CLI::Validator decimal_integer() {
+  static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T value{};
+        const char* begin = text.data();
+        const char* end = begin + text.size();
+        const bool negative = !text.empty() && text[0] == '-';
+        const bool digits =
+            text.size() > (negative ? 1u : 0u) &&
+            text.find_first_not_of("0123456789", negative ? 1 : 0) == std::string::npos;
+        if (!digits || (negative && std::is_unsigned_v<T>)) {
+          return cat("expected a ", std::is_unsigned_v<T> ? "non-negative " : "",
+                     "decimal integer, got \"", flag_text_for_message(text), "\"");
+        }
+        const auto [ptr, ec] = std::from_chars(begin, end, value, 10);
+        if (ec != std::errc() || ptr != end) {
+          return cat("expected an integer from ", std::numeric_limits<T>::min(), " to ",
+                     std::numeric_limits<T>::max(), ", got ", flag_text_for_message(text));
+        }
+        text = std::to_string(value);
+        return std::string();
+      },
+      /*validator_desc=*/"", "decimal integer");
+}
+
+// For a floating-point flag: ->transform(finite_number()).
+inline CLI::Validator finite_number() {
+  return CLI::Validator(
+      [](const std::string& text) -> std::string {
+        double value = 0.0;
+        const char* begin = text.data();
+        const char* end = begin + text.size();
+        const auto [ptr, ec] = std::from_chars(begin, end, value, std::chars_format::general);
+        if (ec != std::errc() || ptr != end || !std::isfinite(value)) {
+          return cat("expected a finite decimal number, got \"", flag_text_for_message(text), "\"");
+        }
+        return std::string();
+      },
+      /*validator_desc=*/"", "finite number");
+}
+
+}  // namespace e4kv::cli
