@@ -14,6 +14,7 @@
 
 #include "core/file_io.h"
 #include "core/half.h"
+#include "core/json_error.h"
 
 namespace e4kv {
 namespace {
@@ -587,6 +588,8 @@ Result<KvStats> parse_kv_stats(std::string_view text, const std::string& source)
       root = json::parse(line.begin(), line.end());
     } catch (const json::parse_error& e) {
       return p.error(cat("invalid JSON at column ", e.byte, ": ", json_error_reason(e)));
+    } catch (const json::exception& e) {
+      return p.error(cat("invalid JSON: ", json_exception_reason(e)));
     }
     if (!stats) {
       E4KV_ASSIGN_OR_RETURN(KvStatsHeader header, parse_header(root, p));

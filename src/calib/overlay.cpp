@@ -23,6 +23,7 @@
 
 #include "calib/scales_file.h"
 #include "core/file_io.h"
+#include "core/json_error.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -774,9 +775,9 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     E4KV_ASSIGN_OR_RETURN(std::string text, read_file(base / kSafetensorsIndexName));
     try {
       index = OrderedJson::parse(text);
-    } catch (const OrderedJson::parse_error& e) {
-      return Status::error(
-          cat((base / kSafetensorsIndexName).string(), ": invalid JSON: ", e.what()));
+    } catch (const OrderedJson::exception& e) {
+      return Status::error(cat((base / kSafetensorsIndexName).string(), ": invalid JSON: ",
+                               json_exception_reason(e)));
     }
     for (const auto& [name, shard] : index["weight_map"].items()) {
       if (embedded.count(name) == 0) weight_map[name] = shard;

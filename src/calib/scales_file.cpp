@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/json_error.h"
 #include "kv/scale_keys.h"
 
 namespace e4kv {
@@ -201,6 +202,9 @@ Status write_scales_file(const std::filesystem::path& path, const ScalesFile& fi
   } catch (const OrderedJson::parse_error& e) {
     return Status::error(
         cat(target, ": cannot write: the source object is not valid JSON: ", parse_error_text(e)));
+  } catch (const OrderedJson::exception& e) {
+    return Status::error(cat(target, ": cannot write: the source object is not valid JSON: ",
+                             json_exception_reason(e)));
   }
   if (!source_object.is_object()) {
     return Status::error(cat(target, ": cannot write: the source must be a JSON object, got ",

@@ -13,6 +13,7 @@
 
 #include "calib/scales_file.h"
 #include "core/file_io.h"
+#include "core/json_error.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -107,6 +108,9 @@ Result<Provenance> read_provenance(const fs::path& path) {
   } catch (const Json::parse_error& e) {
     return Status::error(cat(source, ": invalid JSON at byte ", e.byte,
                              "; the provenance was damaged, re-create the overlay"));
+  } catch (const Json::exception& e) {
+    return Status::error(cat(source, ": invalid JSON (", json_exception_reason(e),
+                             "); the provenance was damaged, re-create the overlay"));
   }
   if (!root.is_object()) return Status::error(cat(source, ": expected a JSON object"));
   E4KV_ASSIGN_OR_RETURN(std::string format, string_field(root, "format", source));

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/json_error.h"
 
 namespace e4kv {
 namespace {
@@ -48,6 +49,8 @@ Result<std::vector<IndexEntry>> parse_index(const std::filesystem::path& path) {
     root = ordered_json::parse(text);
   } catch (const ordered_json::parse_error& e) {
     return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
+  } catch (const ordered_json::exception& e) {
+    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
   }
   if (!root.is_object()) {
     return Status::error(

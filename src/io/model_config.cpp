@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/json_error.h"
 
 namespace e4kv {
 namespace {
@@ -542,6 +543,9 @@ Result<ModelConfig> parse_model_config(std::string_view json_text, const std::st
     root = json::parse(json_text.begin(), json_text.end());
   } catch (const json::parse_error& e) {
     return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
+  } catch (const json::exception& e) {
+    // e.g. a number beyond double's range: "number overflow parsing '1e400'"
+    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
   }
   return parse_config_object(root, source);
 }

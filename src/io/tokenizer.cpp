@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/json_error.h"
 #include "core/utf8.h"
 
 namespace e4kv {
@@ -1872,6 +1873,8 @@ Result<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::st
     root = json::parse(json_text);
   } catch (const json::parse_error& e) {
     return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
+  } catch (const json::exception& e) {
+    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
   }
   auto impl = std::make_unique<TokenizerImpl>();
   impl->source = source;
@@ -1907,6 +1910,8 @@ Result<Tokenizer> Tokenizer::from_model_dir(const std::filesystem::path& model_d
   } catch (const json::parse_error& e) {
     return Status::error(
         cat(config_source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
+  } catch (const json::exception& e) {
+    return Status::error(cat(config_source, ": invalid JSON: ", json_exception_reason(e)));
   }
   const Node top(&config, &config_source, "");
   E4KV_RETURN_IF_ERROR(top.require_object());

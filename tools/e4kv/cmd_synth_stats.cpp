@@ -13,11 +13,13 @@
 #include <filesystem>
 #include <memory>
 #include <numbers>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "calib/kv_stats.h"
 #include "commands.h"
+#include "core/checked.h"
 #include "core/file_io.h"
 #include "core/half.h"
 #include "io/checkpoint.h"
@@ -121,7 +123,14 @@ Status run_synth_stats(const SynthStatsArgs& args) {
   header.source = "synthetic";
   KvStats stats(header);
 
-  const int64_t row = config.n_kv_heads * config.head_dim;  // values per token
+  // Values per token, and per tensor; a config whose sizes do not multiply out is refused.
+  const std::optional<int64_t> row_or = checked_mul(config.n_kv_heads, config.head_dim);
+  if (!row_or || !checked_product({*row_or, args.tokens, 64}) || *row_or > (int64_t{1} << 24)) {
+    return Status::error(cat(args.model_dir, "/config.json: ", config.n_kv_heads, " KV heads x head_dim ",
+                             config.head_dim, " values per token are more than synth-stats generates (",
+                             int64_t{1} << 24, ")"));
+  }
+  const int64_t row = *row_or;
   constexpr int64_t kChunkTokens = 64;                      // one cache write
   std::vector<uint16_t> chunk(size_t(kChunkTokens * row));
   for (size_t i = 0; i < stats.size(); ++i) {
