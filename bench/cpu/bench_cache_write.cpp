@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "backend/cpu/cache_write.h"
-#include "backend/cpu/norm_rope.h"
 #include "core/half.h"
+#include "core/norm_rope.h"
 #include "qsa/indexer_cache.h"
 
 namespace {

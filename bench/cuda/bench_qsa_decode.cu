@@ -253,7 +253,7 @@ void run_timeline(F&& step, int copies, const std::string& kv) {
 // exited, and the phase marks of the top-k.
 // --profile: no timing; after the warm-up, two steps on each copy with the last KV kind (E4M3
 // native where usable), for a profiler (ncu -k filtering one kernel with --launch-skip past the
-// warm-up; RESULTS.md session 11 used 30 for the decode kernel).
+// warm-up; RESULTS-archive.md session 11 used 30 for the decode kernel).
 int main(int argc, char** argv) {
   bool profile = false;
   bool exact_scores = false;

@@ -178,8 +178,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* keys = reinterpret_cast<int32_t*>(smem + keys_offset<kHeadDim, Elem>());
   const FilterKernelParams& sp = p.select;
   const uint32_t rank = cluster_rank();
-  const int row = int(blockIdx.x) / p.decode.n_kv_heads;
-  const int kv_head = int(blockIdx.x) % p.decode.n_kv_heads;
+  const int row = int(blockIdx.x) / p.decode.kv.n_kv_heads;
+  const int kv_head = int(blockIdx.x) % p.decode.kv.n_kv_heads;
   const bool marker = blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0;
   if (marker) E4KV_TL_PHASE(0);
   const int tid = threadIdx.x;

@@ -182,9 +182,9 @@ TEST(QsaSparseDecodeCuda, MatchesCpuReference) {
         for (int64_t budget : {64, 2048}) {
           const bool with_maxima = (runs % 2) == 0;
           const Outcome o = run_case(c, budget, with_maxima, seed++);
-          EXPECT_EQ(o.output.nan_count, 0) << describe(c) << " budget " << budget;
+          EXPECT_EQ(o.output.n_nan, 0) << describe(c) << " budget " << budget;
           EXPECT_LE(o.output.rel_l2, 2e-3)
-              << describe(c) << " budget " << budget << " max abs " << o.output.max_abs;
+              << describe(c) << " budget " << budget << " max abs " << o.output.max_abs_err;
           EXPECT_EQ(o.bad_rows, 0);
           worst = std::max(worst, o.output.rel_l2);
           ++runs;
@@ -207,8 +207,8 @@ TEST(QsaSparseDecodeCuda, EveryPathOnceForTheSanitizer) {
   const int64_t budgets[2] = {2048, 64};
   for (int i = 0; i < 2; ++i) {
     const Outcome o = run_case(cases[i], budgets[i], i == 0, 4242u + uint32_t(i));
-    EXPECT_EQ(o.output.nan_count, 0) << describe(cases[i]);
-    EXPECT_LE(o.output.rel_l2, 2e-3) << describe(cases[i]) << " max abs " << o.output.max_abs;
+    EXPECT_EQ(o.output.n_nan, 0) << describe(cases[i]);
+    EXPECT_LE(o.output.rel_l2, 2e-3) << describe(cases[i]) << " max abs " << o.output.max_abs_err;
     EXPECT_EQ(o.bad_rows, 0);
   }
 }

@@ -21,8 +21,8 @@
 #include <utility>
 
 #include "backend/attention_params.h"
-#include "backend/rms_norm_form.h"
 #include "core/dtype.h"
+#include "core/rms_norm_form.h"
 #include "core/status.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache_view.h"

@@ -182,8 +182,8 @@ struct LinkWalk {
   std::set<std::pair<dev_t, ino_t>> walked;  // directories entered
 };
 
-std::string mode_flag(OverlayLinkMode mode) {
-  return cat("--link ", overlay_link_mode_name(mode));
+std::string mode_text(OverlayLinkMode mode) {
+  return cat("the ", overlay_link_mode_name(mode), " link mode");
 }
 
 // Hard-links or copies the regular file `file` (already resolved) to `target`.
@@ -193,13 +193,15 @@ Status link_file(const LinkWalk& walk, const fs::path& file, const fs::path& tar
   std::error_code ec;
   if (mode == OverlayLinkMode::kHardlink) {
     fs::create_hard_link(file, target, ec);
+    if (ec == std::errc::cross_device_link) {
+      return Status::option_error(
+          "link", cat(target.string(), ": cannot hard-link ", file.string(), ": ", ec_text(ec),
+                      "; the output must be on the base's filesystem for the hardlink mode (use "
+                      "symlink or copy)"));
+    }
     if (ec) {
-      return Status::error(cat(target.string(), ": cannot hard-link ", file.string(), ": ",
-                               ec_text(ec),
-                               ec == std::errc::cross_device_link
-                                   ? "; the output must be on the base's filesystem for --link "
-                                     "hardlink (use --link symlink or copy)"
-                                   : ""));
+      return Status::error(
+          cat(target.string(), ": cannot hard-link ", file.string(), ": ", ec_text(ec)));
     }
     return ok_status();
   }
@@ -216,9 +218,10 @@ Status link_walk_entry(LinkWalk& walk, const fs::path& rel);
 Status link_walk_directory(LinkWalk& walk, const fs::path& rel, const struct stat& st) {
   const fs::path source = walk.base / rel;
   if (!walk.walked.emplace(st.st_dev, st.st_ino).second) {
-    return Status::error(cat(source.string(),
-                             ": this directory is reached a second time (a bind mount loop?); "
-                             "remove the loop from the base or use --link symlink"));
+    return Status::option_error(
+        "link", cat(source.string(),
+                    ": this directory is reached a second time (a bind mount loop?); remove the "
+                    "loop from the base or use the symlink mode"));
   }
   const fs::path target = walk.derived / rel;
   if (!walk.dry_run && ::mkdir(target.c_str(), 0755) != 0) {
@@ -247,12 +250,11 @@ Status link_walk_directory_link(LinkWalk& walk, const fs::path& rel) {
         cat(source.string(), ": a symbolic link that cannot be resolved: ", ec_text(ec)));
   }
   if (!path_within(resolved, walk.base)) {
-    return Status::error(cat(source.string(), ": a symbolic link to the directory ",
-                             resolved.string(), ", outside the base ", walk.base.string(), "; ",
-                             mode_flag(walk.mode),
-                             " never follows a directory link out of the base (it could copy "
-                             "anything, or loop); remove the link from the base or use --link "
-                             "symlink"));
+    return Status::option_error(
+        "link", cat(source.string(), ": a symbolic link to the directory ", resolved.string(),
+                    ", outside the base ", walk.base.string(), "; ", mode_text(walk.mode),
+                    " never follows a directory link out of the base (it could copy anything, or "
+                    "loop); remove the link from the base or use the symlink mode"));
   }
   if (walk.dry_run) return ok_status();
   // The same place in the derived tree, relative to the link's own folder there.
@@ -280,22 +282,24 @@ Status link_walk_entry(LinkWalk& walk, const fs::path& rel) {
   if (S_ISDIR(link_st.st_mode)) return link_walk_directory(walk, rel, link_st);
   if (S_ISREG(link_st.st_mode)) return link_file(walk, source, walk.derived / rel);
   if (!S_ISLNK(link_st.st_mode)) {
-    return Status::error(cat(source.string(),
-                             ": not a regular file, directory or symbolic link; remove it from "
-                             "the base or use --link symlink"));
+    return Status::option_error(
+        "link", cat(source.string(),
+                    ": not a regular file, directory or symbolic link; remove it from the base "
+                    "or use the symlink mode"));
   }
   struct stat st {};
   if (::stat(source.c_str(), &st) != 0) {
     const int error = errno;
-    return Status::error(cat(source.string(),
-                             ": a symbolic link that cannot be followed: ", errno_text(error),
-                             "; fix or remove it in the base, or use --link symlink"));
+    return Status::option_error(
+        "link", cat(source.string(), ": a symbolic link that cannot be followed: ",
+                    errno_text(error), "; fix or remove it in the base, or use the symlink mode"));
   }
   if (S_ISDIR(st.st_mode)) return link_walk_directory_link(walk, rel);
   if (!S_ISREG(st.st_mode)) {
-    return Status::error(cat(source.string(),
-                             ": a symbolic link to something that is not a regular file or "
-                             "directory; remove it from the base or use --link symlink"));
+    return Status::option_error(
+        "link", cat(source.string(),
+                    ": a symbolic link to something that is not a regular file or directory; "
+                    "remove it from the base or use the symlink mode"));
   }
   // A link to a regular file: the file the engine reads through the base, wherever it lies.
   std::error_code ec;
@@ -376,8 +380,8 @@ Result<OverlayLinkMode> parse_overlay_link_mode(std::string_view name) {
   if (name == "symlink") return OverlayLinkMode::kSymlink;
   if (name == "hardlink") return OverlayLinkMode::kHardlink;
   if (name == "copy") return OverlayLinkMode::kCopy;
-  return Status::error(
-      cat("--link: unknown mode \"", name, "\"; expected symlink, hardlink or copy"));
+  return Status::option_error(
+      "link", cat("unknown mode \"", name, "\"; expected symlink, hardlink or copy"));
 }
 
 std::string_view overlay_link_mode_name(OverlayLinkMode mode) {
@@ -395,7 +399,8 @@ std::string_view overlay_link_mode_name(OverlayLinkMode mode) {
 Result<OverlayHashScope> parse_overlay_hash_scope(std::string_view name) {
   if (name == "all") return OverlayHashScope::kAll;
   if (name == "index-config") return OverlayHashScope::kIndexConfig;
-  return Status::error(cat("--hash: unknown scope \"", name, "\"; expected all or index-config"));
+  return Status::option_error("hash",
+                              cat("unknown scope \"", name, "\"; expected all or index-config"));
 }
 
 std::string_view overlay_hash_scope_name(OverlayHashScope scope) {
@@ -405,14 +410,16 @@ std::string_view overlay_hash_scope_name(OverlayHashScope scope) {
 Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   // ---- arguments and paths: nothing is created until every check below has passed --------------
   if (options.unit_scale_negative_control && !options.scales_path.empty()) {
-    return Status::error(
-        "--unit-scale-negative-control writes 1.0 for every scale and reads no scales file; pass "
-        "either --scales or --unit-scale-negative-control, not both");
+    return Status::option_error(
+        "unit_scale_negative_control",
+        "writes 1.0 for every scale and reads no scales file; give either a scales file or the "
+        "negative control, not both");
   }
   if (!options.unit_scale_negative_control && options.scales_path.empty()) {
-    return Status::error(
-        "--scales is required: the scales.json made by e4kv summarize (or pass "
-        "--unit-scale-negative-control for a deliberate 1.0 negative control)");
+    return Status::option_error(
+        "scales_path",
+        "is required: the scales.json made by e4kv summarize (or ask for the unit-scale negative "
+        "control, a deliberate 1.0 for every scale)");
   }
   std::error_code ec;
   const fs::path base_arg = options.base_dir;
@@ -433,12 +440,14 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   const fs::path base = fs::canonical(base_arg, ec);
   if (ec) return Status::error(cat(base_arg.string(), ": cannot resolve: ", ec_text(ec)));
 
-  if (options.out_dir.empty()) return Status::error("--out is required: the derived directory");
+  if (options.out_dir.empty()) {
+    return Status::option_error("out_dir", "is required: the derived directory");
+  }
   fs::path out_abs = fs::absolute(options.out_dir, ec).lexically_normal();
   if (!out_abs.has_filename()) out_abs = out_abs.parent_path();  // "dir/" -> "dir"
   const std::string out_arg = options.out_dir.string();
   if (!out_abs.has_filename() || out_abs.filename() == "." || out_abs.filename() == "..") {
-    return Status::error(cat("--out ", out_arg, ": names no directory"));
+    return Status::option_error("out_dir", cat(out_arg, ": names no directory"));
   }
   const fs::path parent_arg = out_abs.parent_path();
   {
@@ -446,15 +455,16 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     if (::stat(parent_arg.c_str(), &st) != 0) {
       const int error = errno;
       if (error == ENOENT) {
-        return Status::error(cat("--out ", out_arg, ": the parent directory ", parent_arg.string(),
-                                 " does not exist; create it first"));
+        return Status::option_error("out_dir",
+                                    cat(out_arg, ": the parent directory ", parent_arg.string(),
+                                        " does not exist; create it first"));
       }
-      return Status::error(cat("--out ", out_arg, ": cannot use the parent directory ",
-                               parent_arg.string(), ": ", errno_text(error)));
+      return Status::option_error("out_dir", cat(out_arg, ": cannot use the parent directory ",
+                                                 parent_arg.string(), ": ", errno_text(error)));
     }
     if (!S_ISDIR(st.st_mode)) {
-      return Status::error(
-          cat("--out ", out_arg, ": the parent ", parent_arg.string(), " is not a directory"));
+      return Status::option_error(
+          "out_dir", cat(out_arg, ": the parent ", parent_arg.string(), " is not a directory"));
     }
   }
   const fs::path parent = fs::canonical(parent_arg, ec);
@@ -463,31 +473,34 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   fs::path out = parent / out_name;
   const fs::file_status out_link_status = fs::symlink_status(out, ec);
   if (fs::is_symlink(out_link_status)) {
-    return Status::error(
-        cat("--out ", out_arg, ": is a symbolic link; give the real path of a new directory"));
+    return Status::option_error(
+        "out_dir", cat(out_arg, ": is a symbolic link; give the real path of a new directory"));
   }
   if (out == base) {
-    return Status::error(cat("--out ", out_arg, ": is the base directory ", base.string(),
-                             "; an overlay never writes into its base, choose a new directory"));
+    return Status::option_error(
+        "out_dir", cat(out_arg, ": is the base directory ", base.string(),
+                       "; an overlay never writes into its base, choose a new directory"));
   }
   if (path_within(out, base)) {
-    return Status::error(cat("--out ", out_arg, ": lies inside the base directory ", base.string(),
-                             "; an overlay never writes into its base, choose a "
-                             "directory outside it"));
+    return Status::option_error("out_dir",
+                                cat(out_arg, ": lies inside the base directory ", base.string(),
+                                    "; an overlay never writes into its base, choose a "
+                                    "directory outside it"));
   }
   if (path_within(base, out)) {
-    return Status::error(cat("--out ", out_arg, ": contains the base directory ", base.string(),
-                             "; choose a new directory"));
+    return Status::option_error("out_dir", cat(out_arg, ": contains the base directory ",
+                                               base.string(), "; choose a new directory"));
   }
   if (fs::exists(out_link_status)) {
     if (!fs::is_directory(out_link_status)) {
-      return Status::error(cat("--out ", out_arg, ": exists and is not a directory"));
+      return Status::option_error("out_dir", cat(out_arg, ": exists and is not a directory"));
     }
     const bool empty = fs::is_empty(out, ec);
-    if (ec) return Status::error(cat("--out ", out_arg, ": cannot list: ", ec_text(ec)));
+    if (ec) return Status::option_error("out_dir", cat(out_arg, ": cannot list: ", ec_text(ec)));
     if (!empty) {
-      return Status::error(
-          cat("--out ", out_arg, ": exists and is not empty; choose a new directory or remove it"));
+      return Status::option_error(
+          "out_dir",
+          cat(out_arg, ": exists and is not empty; choose a new directory or remove it"));
     }
   }
 
@@ -523,12 +536,13 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
       list += cat(i ? ", " : "", collisions[i]);
     }
     if (collisions.size() > kListed) list += cat(" and ", collisions.size() - kListed, " more");
-    return Status::error(cat(base.string(), ": the base already holds ", collisions.size(),
-                             " K/V scale key(s): ", list,
-                             "; an overlay would collide with them (two keys for one scale); to "
-                             "replace them with your scales pass --replace-embedded-scales (the "
-                             "shards holding them are written anew into the derived directory "
-                             "without them; the base is not touched)"));
+    return Status::option_error(
+        "replace_embedded_scales",
+        cat(base.string(), ": the base already holds ", collisions.size(),
+            " K/V scale key(s): ", list,
+            "; an overlay would collide with them (two keys for one scale); to replace them with "
+            "your scales, set this option (the shards holding them are written anew into the "
+            "derived directory without them; the base is not touched)"));
   }
 
   // ---- the scales, through the same gate start-up will run --------------------------------------
@@ -540,8 +554,8 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     scales_file.policy = std::string(kUnitNegativeControlPolicy);
     scales_file.source_json = OrderedJson{{"negative_control", true},
                                           {"note",
-                                           "every K/V scale is 1.0 by "
-                                           "--unit-scale-negative-control; not calibrated"}}
+                                           "every K/V scale is 1.0 (the unit-scale negative "
+                                           "control); not calibrated"}}
                                   .dump();
     KvScaleGate probe(config, prefix, KvCacheDtype::kE4m3, {});
     for (const std::string& key : probe.expected_keys()) scales_file.scales[key] = 1.0f;
@@ -549,12 +563,13 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     scales_abs = fs::absolute(options.scales_path, ec).lexically_normal();
     struct stat st {};
     if (::stat(options.scales_path.c_str(), &st) != 0 && errno == ENOENT) {
-      return Status::error(cat("--scales ", options.scales_path.string(),
-                               ": not found; make it with e4kv summarize STATS... --out "
-                               "scales.json"));
+      return Status::option_error("scales_path",
+                                  cat(options.scales_path.string(),
+                                      ": not found; make it with e4kv summarize STATS... --out "
+                                      "scales.json --report report"));
     }
     Result<std::string> read = read_file(options.scales_path);
-    if (!read.ok()) return Status::error(cat("--scales ", read.message()));
+    if (!read.ok()) return Status::option_error("scales_path", read.message());
     const std::string text = std::move(read).value();
     E4KV_ASSIGN_OR_RETURN(scales_file, parse_scales_file(text, options.scales_path.string()));
     scales_sha256 = sha256_hex(text);
@@ -575,11 +590,13 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
     }
   }
   {
-    const std::string source = options.unit_scale_negative_control ? "--unit-scale-negative-control"
-                                                                   : options.scales_path.string();
+    const std::string source = options.unit_scale_negative_control
+                                   ? std::string("the unit-scale negative control")
+                                   : options.scales_path.string();
     KvScaleGate gate(config, prefix, KvCacheDtype::kE4m3,
                      {cat(source, " for base ", base.string()),
-                      cat("make complete scales: e4kv summarize STATS... --out scales.json with "
+                      cat("make complete scales: e4kv summarize STATS... --out scales.json "
+                          "--report report with "
                           "statistics of every KV-cache layer of this model (layer prefix \"",
                           prefix, "\")")});
     for (const auto& [key, value] : entries) {
@@ -871,12 +888,12 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   // the check above) is refused by the kernel.
   if (::rename(temp.c_str(), out.c_str()) != 0) {
     const int error = errno;
-    return Status::error(cat("--out ", out_arg, ": cannot move ", temp.string(),
-                             " into place: ", errno_text(error),
-                             error == ENOTEMPTY || error == EEXIST
-                                 ? " (the output appeared or filled up meanwhile; choose a new "
-                                   "directory)"
-                                 : ""));
+    return Status::option_error(
+        "out_dir", cat(out_arg, ": cannot move ", temp.string(), " into place: ", errno_text(error),
+                       error == ENOTEMPTY || error == EEXIST
+                           ? " (the output appeared or filled up meanwhile; choose a new "
+                             "directory)"
+                           : ""));
   }
   guard.release();
   E4KV_RETURN_IF_ERROR(sync_path(parent, true));

@@ -175,7 +175,7 @@ Result<ScalesFile> read_scales_file(const std::filesystem::path& path) {
   if (!text) {
     return Status::error(cat(path.string(),
                              ": scales file not found; make one with e4kv summarize STATS... "
-                             "--out scales.json"));
+                             "--out scales.json --report report"));
   }
   return parse_scales_file(*text, path.string());
 }

@@ -58,8 +58,8 @@ Result<ScalePolicy> parse_scale_policy(std::string_view name) {
   if (name == "absmax") return ScalePolicy::kAbsmax;
   if (name == "p99.9") return ScalePolicy::kP999;
   if (name == "p99.99") return ScalePolicy::kP9999;
-  return Status::error(
-      cat("--policy: unknown scale policy \"", name, "\"; expected absmax, p99.9 or p99.99"));
+  return Status::option_error(
+      "policy", cat("unknown scale policy \"", name, "\"; expected absmax, p99.9 or p99.99"));
 }
 
 std::string_view scale_policy_name(ScalePolicy policy) {
@@ -256,9 +256,10 @@ Result<Summary> summarize(std::vector<SummaryInput> inputs, const SummarizeOptio
         break;
     }
     if (t.policy_value <= 0.0f) {
-      return Status::error(cat(t.key, ": the ", scale_policy_name(options.policy),
-                               " value is 0 (more than 1/", tail_denominator(options.policy),
-                               " of the values are zero); use --policy absmax"));
+      return Status::option_error(
+          "policy",
+          cat(t.key, ": the ", scale_policy_name(options.policy), " value is 0 (more than 1/",
+              tail_denominator(options.policy), " of the values are zero); use the absmax policy"));
     }
     t.scale_from_stats = min_scale_for(t.policy_value);
     t.scale = t.scale_from_stats;

@@ -492,7 +492,7 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
   if (!size_only_names.empty()) {
     result.notes.push_back(cat("provenance: ", size_only_names.size(),
                                " files checked for existence and size only, not hashed (the "
-                               "overlay was made with --hash index-config): ",
+                               "overlay was made by e4kv overlay --hash index-config): ",
                                join_names(size_only_names)));
   }
   if (!provenance.rewritten.empty()) {
@@ -500,15 +500,17 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
     for (const RewrittenShard& shard : provenance.rewritten) {
       names.push_back(cat(shard.name, shard.omitted ? " (omitted: only scales)" : ""));
     }
-    result.notes.push_back(cat("provenance: ", dropped.size(),
-                               " K/V scale key(s) embedded in the base replaced "
-                               "(--replace-embedded-scales); base shards written anew without "
-                               "them: ",
-                               join_names(names)));
+    result.notes.push_back(
+        cat("provenance: ", dropped.size(),
+            " K/V scale key(s) embedded in the base replaced "
+            "(e4kv overlay --replace-embedded-scales); base shards written anew without "
+            "them: ",
+            join_names(names)));
   }
   if (provenance.negative_control) {
     result.notes.push_back(
-        "NEGATIVE CONTROL: this overlay was made with --unit-scale-negative-control; every K/V "
+        "NEGATIVE CONTROL: this overlay was made by e4kv overlay --unit-scale-negative-control; "
+        "every K/V "
         "scale is 1.0 (unit scales, not calibrated): not for production use");
   }
   return result;

@@ -231,8 +231,10 @@ Status check_output_file(const fs::path& path, const OutputRules& rules) {
   }
   E4KV_RETURN_IF_ERROR(check_not_in_inputs_or_checkpoint(path, resolved, rules));
   if (exists && !rules.force) {
-    return Status::error(
-        cat(name, ": exists; choose a new path, or pass --force to replace it"));
+    return Status::error(cat(name, ": exists; choose a new path",
+                             rules.force_name.empty()
+                                 ? std::string()
+                                 : cat(", or use ", rules.force_name, " to replace it")));
   }
   return ok_status();
 }

@@ -53,6 +53,9 @@ bool is_checkpoint_dir(const std::filesystem::path& dir);
 struct OutputRules {
   bool force = false;                        // replacing an existing regular file is allowed
   std::vector<std::filesystem::path> inputs;  // files and directories the command reads
+  // How the caller spells the permission to replace, for the refusal's advice (the CLI:
+  // "--force"); empty: the advice names none.
+  std::string force_name;
 };
 
 // Whether the file `path` may be written under `rules`. Refused: an existing path that is not a

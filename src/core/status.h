@@ -25,6 +25,15 @@ class [[nodiscard]] Status {
  public:
   Status() = default;
   static Status error(std::string message) { return Status(std::move(message)); }
+  // An error about one option of a call, named as the library names it (the options struct's
+  // field, snake_case: "top_p"): the message reads "top_p: <detail>". Library messages never name
+  // a front end's spelling; a front end that has its own (the CLI's --top-p) rewrites the prefix
+  // from option() and detail().
+  static Status option_error(std::string option, const std::string& detail) {
+    Status status(cat(option, ": ", detail));
+    status.option_ = std::move(option);
+    return status;
+  }
 
   bool ok() const { return !message_.has_value(); }
   // Empty for an ok status.
@@ -32,10 +41,17 @@ class [[nodiscard]] Status {
     static const std::string kEmpty;
     return message_ ? *message_ : kEmpty;
   }
+  // The option an option_error is about; empty for other statuses.
+  const std::string& option() const { return option_; }
+  // The message without its "option: " prefix (the whole message for other statuses).
+  std::string detail() const {
+    return option_.empty() ? message() : message().substr(option_.size() + 2);
+  }
 
  private:
   explicit Status(std::string message) : message_(std::move(message)) {}
   std::optional<std::string> message_;
+  std::string option_;
 };
 
 inline Status ok_status() {

@@ -35,7 +35,7 @@ Result<GenerateResult> generate(DenseModel& model, std::span<const int32_t> prom
   E4KV_RETURN_IF_ERROR(validate_sampling_params(options.sampling));
   if (prompt.empty()) return Status::error("the prompt is empty; give at least one token");
   if (options.max_tokens < 0) {
-    return Status::error(cat("--max-tokens must be >= 0, got ", options.max_tokens));
+    return Status::option_error("max_tokens", cat("must be >= 0, got ", options.max_tokens));
   }
   const int64_t prompt_len = static_cast<int64_t>(prompt.size());
   if (prompt_len >= model.max_model_len()) {

@@ -8,14 +8,14 @@ namespace e4kv {
 
 Status validate_sampling_params(const SamplingParams& params) {
   if (!std::isfinite(params.temperature) || params.temperature < 0.0) {
-    return Status::error(
-        cat("--temperature must be a finite number >= 0 (0 = greedy), got ", params.temperature));
+    return Status::option_error(
+        "temperature", cat("must be a finite number >= 0 (0 = greedy), got ", params.temperature));
   }
   if (!(params.top_p > 0.0 && params.top_p <= 1.0)) {
-    return Status::error(cat("--top-p must be in (0, 1] (1 = off), got ", params.top_p));
+    return Status::option_error("top_p", cat("must be in (0, 1] (1 = off), got ", params.top_p));
   }
   if (params.top_k < -1) {
-    return Status::error(cat("--top-k must be >= 0 (0 or -1 = off), got ", params.top_k));
+    return Status::option_error("top_k", cat("must be >= 0 (0 or -1 = off), got ", params.top_k));
   }
   return ok_status();
 }

@@ -104,8 +104,8 @@ std::string strip_trailing_slashes(std::string path) {
 Result<KvCacheDtype> parse_kv_cache_dtype(std::string_view name) {
   if (name == "fp16") return KvCacheDtype::kF16;
   if (name == "fp8_e4m3" || name == "fp8") return KvCacheDtype::kE4m3;
-  return Status::error(
-      cat("--kv-cache-dtype: unknown value \"", name, "\"; expected fp16 or fp8_e4m3"));
+  return Status::option_error("kv_cache_dtype",
+                              cat("unknown value \"", name, "\"; expected fp16 or fp8_e4m3"));
 }
 
 std::string_view kv_cache_dtype_name(KvCacheDtype dtype) {
@@ -115,9 +115,10 @@ std::string_view kv_cache_dtype_name(KvCacheDtype dtype) {
 Result<KvScalesMode> parse_kv_scales_mode(std::string_view name) {
   if (name == "calibrated") return KvScalesMode::kCalibrated;
   if (name == "unit") return KvScalesMode::kUnit;
-  return Status::error(cat("--kv-scales: unknown value \"", name,
-                           "\"; expected calibrated (scales from the checkpoint) or unit (1.0, a "
-                           "negative control)"));
+  return Status::option_error("kv_scales_mode",
+                              cat("unknown value \"", name,
+                                  "\"; expected calibrated (scales from the checkpoint) or unit "
+                                  "(1.0, a negative control)"));
 }
 
 std::string_view kv_scales_mode_name(KvScalesMode mode) {
@@ -263,7 +264,8 @@ Status KvScaleGate::finalize_into(KvScales& runtime) {
       message += cat("\n  ", options_.remedy);
     } else {
       message +=
-          cat("\n  make an overlay: e4kv summarize STATS... --out scales.json && e4kv overlay ",
+          cat("\n  make an overlay: e4kv summarize STATS... --out scales.json --report report "
+              "&& e4kv overlay ",
               source, " --scales scales.json --out ", source, "-kvscales");
     }
     return Status::error(std::move(message));
@@ -333,7 +335,7 @@ Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype, KvSc
       if (parse_scale_key(name)) ++scales.ignored_keys;
     }
     scales.summary =
-        cat("kv scales: NEGATIVE CONTROL: --kv-scales unit runs the fp8_e4m3 cache "
+        cat("kv scales: NEGATIVE CONTROL: the unit scales mode runs the fp8_e4m3 cache "
             "with all ",
             scales.expected, " K/V scales = 1.0 (", scales.ignored_keys,
             " scale keys in the checkpoint ignored); not for production use");
@@ -365,7 +367,8 @@ Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype, KvSc
     // option leaves them out of the derived checkpoint and never writes into the base.
     options.remedy =
         cat("the K/V scales are embedded in this checkpoint's own shards; replace them without "
-            "writing into it: e4kv summarize STATS... --out scales.json && e4kv overlay ",
+            "writing into it: e4kv summarize STATS... --out scales.json --report report && "
+            "e4kv overlay ",
             dir, " --scales scales.json --replace-embedded-scales --out ", dir, "-kvscales");
   }
   KvScaleGate gate(config, kv_scale_prefix(names), dtype, std::move(options));

@@ -10,7 +10,8 @@
 //   KV scale gate: loaded 22/24 K/V scales for kv-cache-dtype fp8_e4m3 from <dir>
 //     missing: model.layers.3.self_attn.k_scale
 //     invalid: model.layers.7.self_attn.v_scale = nan (not finite)
-//     make an overlay: e4kv summarize STATS... --out scales.json && e4kv overlay <dir> ...
+//     make an overlay: e4kv summarize STATS... --out scales.json --report report
+//                      && e4kv overlay <dir> ...
 //
 // The last line is advice that works for the directory at hand: a checkpoint without scale keys
 // gets the overlay recipe; one whose scales are embedded in its own shards gets the overlay recipe

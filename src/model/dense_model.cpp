@@ -174,8 +174,9 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   }
   if (opts.max_model_len <= 0) opts.max_model_len = config.max_position_embeddings;
   if (opts.max_model_len <= 0) {
-    return Status::error(
-        cat(config_path, ": no \"max_position_embeddings\"; give --max-model-len explicitly"));
+    return Status::option_error("max_model_len",
+                                cat("not given, and ", config_path,
+                                    " has no \"max_position_embeddings\"; give it explicitly"));
   }
 
   for (size_t i = 0; i < config.layers.size(); ++i) {
@@ -187,11 +188,11 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
     if (kind == LayerKind::kSlidingAttention) {
       // A window covering the whole context is full attention; anything smaller is not done.
       if (*config.sliding_window < opts.max_model_len) {
-        return Status::error(
-            cat(config_path, ": layer ", i, " uses a sliding window of ", *config.sliding_window,
-                " tokens, shorter than the context (max model length ", opts.max_model_len,
-                "); the dense runtime attends to the full context only: pass --max-model-len ",
-                *config.sliding_window, " or less"));
+        return Status::option_error(
+            "max_model_len", cat(opts.max_model_len, " is longer than the sliding window of ",
+                                 *config.sliding_window, " tokens of layer ", i, " (", config_path,
+                                 "); the dense runtime attends to the full context only: give ",
+                                 *config.sliding_window, " or less"));
       }
     }
   }

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <vector>
 
-#include "backend/cpu/norm_rope.h"
 #include "core/check.h"
 #include "core/half.h"
+#include "core/norm_rope.h"
 #include "core/status.h"
 
 namespace e4kv {

@@ -61,6 +61,11 @@ Status validate_route_table(std::span<const AttentionRouteLimits> routes) {
       return Status::error(cat(who, ": max_rows_per_tile ", r.max_rows_per_tile,
                                " exceeds max_rows_per_launch ", r.max_rows_per_launch));
     }
+    if (r.kernel == AttentionKernel::kDecodeRows && r.max_rows_per_tile != 1) {
+      return Status::error(cat(who,
+                               ": a decode-rows route takes tiles of one row (max_rows_per_tile ",
+                               r.max_rows_per_tile, ")"));
+    }
     if (take_rows(r, r.max_rows_per_tile) == 0) {
       return Status::error(cat(who, ": no tile size satisfies min_rows_per_tile ",
                                r.min_rows_per_tile, ", max_rows_per_tile ", r.max_rows_per_tile,
@@ -212,6 +217,7 @@ std::vector<AttentionRouteLimits> reference_attention_routes() {
 
   AttentionRouteLimits prefill_64 = common;
   prefill_64.name = "prefill_64";
+  prefill_64.kernel = AttentionKernel::kPrefillTiles;
   prefill_64.min_rows_per_tile = 33;
   prefill_64.max_rows_per_tile = 64;
   prefill_64.max_rows_per_launch = 8192;
@@ -219,6 +225,7 @@ std::vector<AttentionRouteLimits> reference_attention_routes() {
 
   AttentionRouteLimits prefill_16 = common;
   prefill_16.name = "prefill_16";
+  prefill_16.kernel = AttentionKernel::kPrefillTiles;
   prefill_16.min_rows_per_tile = 2;
   prefill_16.max_rows_per_tile = 16;
   prefill_16.max_rows_per_launch = 8192;
@@ -241,6 +248,7 @@ std::vector<AttentionRouteLimits> cuda_attention_routes() {
   // beyond the grid.
   AttentionRouteLimits prefill;
   prefill.name = "cuda_prefill";
+  prefill.kernel = AttentionKernel::kPrefillTiles;
   prefill.min_rows_per_tile = 2;
   prefill.max_rows_per_tile = 64;
   prefill.max_rows_per_launch = 1 << 24;

@@ -45,9 +45,14 @@ struct AttentionRouteShape {
   int64_t gqa_group = 1;  // query heads per KV head
 };
 
+// The kernel a route launches: single query rows (split-K decode) or tiles of rows of one
+// sequence that share each K/V tile (prefill / chunked attention).
+enum class AttentionKernel { kDecodeRows, kPrefillTiles };
+
 // Limits of one kernel route. A default-constructed route supports nothing.
 struct AttentionRouteLimits {
-  std::string name;
+  std::string name;  // for messages and logs; the launcher dispatches on `kernel`
+  AttentionKernel kernel = AttentionKernel::kDecodeRows;
   int64_t max_rows_per_launch = 0;   // query rows in one launch (grid / workspace bound), >= 1
   int64_t max_tiles_per_launch = 0;  // tiles in one launch, >= 1
   int64_t min_rows_per_tile = 1;     // smallest tile the route accepts

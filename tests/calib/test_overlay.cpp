@@ -546,7 +546,8 @@ TEST_F(OverlayTest, RefusesBadScales) {
   OverlayOptions both = options(base, make_scales(good_scales()), out);
   both.unit_scale_negative_control = true;
   expect_refused(both, "not both");
-  expect_refused(options(base, "", out), "--scales is required");
+  expect_refused(options(base, "", out), "scales_path: is required");
+  EXPECT_EQ(make_overlay(options(base, "", out)).status().option(), "scales_path");
 }
 
 TEST_F(OverlayTest, RefusesBadBases) {
@@ -1028,8 +1029,9 @@ TEST_P(OverlayLinks, DirectoryLinksOutOfTheBaseAreRefusedOrLinked) {
   expect_refused(o, cat((fs::canonical(base) / "extra" / "escape").string(),
                         ": a symbolic link to the directory ",
                         fs::canonical(tmp_ / "outside").string(), ", outside the base"));
-  expect_refused(o, cat("--link ", overlay_link_mode_name(mode),
-                        " never follows a directory link out of the base"));
+  expect_refused(o, cat("the ", overlay_link_mode_name(mode),
+                        " link mode never follows a directory link out of the base"));
+  EXPECT_EQ(make_overlay(o).status().option(), "link");
 }
 
 TEST_P(OverlayLinks, FileLinkLoopsAreRefusedWithTheirErrno) {
@@ -1086,16 +1088,20 @@ TEST_F(VerifyTest, EmbeddedInvalidScalesGetAdviceThatWorks) {
   Result<KvScales> refused = load_kv_scales(*ckpt, KvCacheDtype::kE4m3);
   ASSERT_FALSE(refused.ok());
   EXPECT_TRUE(contains(refused.message(), "invalid: " + key + " = 0")) << refused.message();
-  EXPECT_TRUE(contains(refused.message(),
-                       cat("embedded in this checkpoint's own shards; replace them without writing "
-                           "into it: e4kv summarize STATS... --out scales.json && e4kv overlay ",
-                           base.string(), " --scales scales.json --replace-embedded-scales --out ",
-                           base.string(), "-kvscales")))
+  EXPECT_TRUE(contains(
+      refused.message(),
+      cat("embedded in this checkpoint's own shards; replace them without writing "
+          "into it: e4kv summarize STATS... --out scales.json --report report && e4kv overlay ",
+          base.string(), " --scales scales.json --replace-embedded-scales --out ", base.string(),
+          "-kvscales")))
       << refused.message();
 
   // What the advice says, done: a plain overlay refuses (naming the option), the option works.
   const fs::path scales = make_scales(good_scales());
-  expect_refused(options(base, scales, tmp_ / "d"), "pass --replace-embedded-scales");
+  expect_refused(options(base, scales, tmp_ / "d"),
+                 "to replace them with your scales, set this option");
+  EXPECT_EQ(make_overlay(options(base, scales, tmp_ / "d")).status().option(),
+            "replace_embedded_scales");
   const std::map<std::string, std::string> before = snapshot(base);
   OverlayOptions o = options(base, scales, tmp_ / "d");
   o.replace_embedded_scales = true;

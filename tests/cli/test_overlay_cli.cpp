@@ -180,8 +180,8 @@ TEST_F(OverlayCli, BadOverlayInputs) {
     bool multi_line = false;
   };
   const std::vector<Case> cases = {
-      {"no scales", {"overlay", base.string(), "--out", out.string()}, "--scales is required"},
-      {"no out", {"overlay", base.string(), "--scales", s}, "--out is required"},
+      {"no scales", {"overlay", base.string(), "--out", out.string()}, "--scales: is required"},
+      {"no out", {"overlay", base.string(), "--scales", s}, "--out: is required"},
       {"scales and unit",
        {"overlay", base.string(), "--scales", s, "--out", out.string(),
         "--unit-scale-negative-control"},
@@ -266,8 +266,8 @@ TEST_F(OverlayCli, BadVerifyInputs) {
   // A plain checkpoint without scales: the start-up message, multi-line.
   RunResult plain = run_cli(tmp_.path(), {"verify", base.string()});
   expect_error(plain, "plain without scales", "KV scale gate: loaded 0/4", true);
-  EXPECT_TRUE(contains(plain.err, cat("make an overlay: e4kv summarize STATS... --out scales.json "
-                                      "&& e4kv overlay ",
+  EXPECT_TRUE(contains(plain.err, cat("make an overlay: e4kv summarize STATS... --out "
+                                      "scales.json --report report && e4kv overlay ",
                                       base.string())))
       << plain.err;
   // ... which is fine for an FP16 cache.

@@ -166,7 +166,10 @@ TEST(FileIo, ExistingOutputNeedsForce) {
   OutputRules rules;
   EXPECT_TRUE(check_output_file(out, rules).ok());
   write_text(out, "old");
-  expect_error(check_output_file(out, rules), "--force");
+  expect_error(check_output_file(out, rules), "exists; choose a new path");
+  EXPECT_EQ(check_output_file(out, rules).message().find("--force"), std::string::npos);
+  rules.force_name = "--force";  // the caller's spelling goes into the advice
+  expect_error(check_output_file(out, rules), "or use --force to replace it");
   rules.force = true;
   EXPECT_TRUE(check_output_file(out, rules).ok());
   // Force never replaces something that is not a file.

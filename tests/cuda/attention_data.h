@@ -16,6 +16,7 @@
 #include "core/half.h"
 #include "device_buffer.cuh"
 #include "e4kv/e4m3.h"
+#include "testing/compare.h"
 
 namespace e4kv::cuda {
 
@@ -207,29 +208,12 @@ struct DeviceAttentionData {
   }
 };
 
-// Relative L2 error of `out` against `ref`, NaNs counted apart.
-struct Comparison {
-  double rel_l2 = 0;
-  double max_abs = 0;
-  int64_t nan_count = 0;
-};
+// The shared comparator (testing/compare.h) with no tolerance: the tests bound its relative L2
+// and NaN count and print its largest absolute error.
+using Comparison = test::CompareReport;
 
 inline Comparison compare_outputs(const std::vector<float>& out, const std::vector<float>& ref) {
-  Comparison result;
-  double diff2 = 0;
-  double ref2 = 0;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (std::isnan(out[i])) {
-      ++result.nan_count;
-      continue;
-    }
-    const double d = double(out[i]) - double(ref[i]);
-    diff2 += d * d;
-    ref2 += double(ref[i]) * ref[i];
-    result.max_abs = std::max(result.max_abs, std::fabs(d));
-  }
-  result.rel_l2 = std::sqrt(diff2 / std::max(ref2, 1e-30));
-  return result;
+  return test::compare(out, ref, 0.0, 0.0);
 }
 
 }  // namespace e4kv::cuda

@@ -103,8 +103,8 @@ TEST(DecodeAttentionCuda, MatchesCpuReferenceOverTheSweep) {
       const char* path = load == DecodeLoadPath::kAsyncCopy ? " async copy" : " registers";
       const DecodeAttentionConfig config{c.native, load};
       const Comparison r = run_case(c, config, index % 2 == 1, seed++);
-      EXPECT_EQ(r.nan_count, 0) << describe(c) << path;
-      EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << path << " max abs " << r.max_abs;
+      EXPECT_EQ(r.n_nan, 0) << describe(c) << path;
+      EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << path << " max abs " << r.max_abs_err;
       worst = std::max(worst, r.rel_l2);
     }
     ++index;
@@ -153,8 +153,9 @@ TEST(DecodeAttentionCuda, BackToBackLaunchesShareTheWorkspace) {
                              compare_outputs(dev1.out.to_host(), host[1].ref),
                              compare_outputs(dev2.out.to_host(), host[0].ref)};
     for (int i = 0; i < 3; ++i) {
-      EXPECT_EQ(r[i].nan_count, 0) << describe(c) << " launch " << i;
-      EXPECT_LE(r[i].rel_l2, 2e-3) << describe(c) << " launch " << i << " max abs " << r[i].max_abs;
+      EXPECT_EQ(r[i].n_nan, 0) << describe(c) << " launch " << i;
+      EXPECT_LE(r[i].rel_l2, 2e-3)
+          << describe(c) << " launch " << i << " max abs " << r[i].max_abs_err;
     }
   }
 }
@@ -200,8 +201,9 @@ TEST(DecodeAttentionCuda, ClusterMergeMatchesCpuReference) {
             ASSERT_TRUE(st.ok()) << st.message();
             E4KV_CUDA_CHECK(cudaDeviceSynchronize());
             const Comparison r = compare_outputs(device.out.to_host(), data.ref);
-            EXPECT_EQ(r.nan_count, 0) << describe(c) << " set " << set;
-            EXPECT_LE(r.rel_l2, 2e-3) << describe(c) << " set " << set << " max abs " << r.max_abs;
+            EXPECT_EQ(r.n_nan, 0) << describe(c) << " set " << set;
+            EXPECT_LE(r.rel_l2, 2e-3)
+                << describe(c) << " set " << set << " max abs " << r.max_abs_err;
             worst = std::max(worst, r.rel_l2);
             ++runs;
           }

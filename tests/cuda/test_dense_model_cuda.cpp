@@ -19,6 +19,7 @@
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
 #include "model/dense_model.h"
+#include "testing/compare.h"
 #include "testing/synth_checkpoint.h"
 
 namespace e4kv {
@@ -62,14 +63,8 @@ std::vector<float> prompt_logits(DenseModel& model, const std::vector<int32_t>& 
   return logits.ok() ? *logits : std::vector<float>{};
 }
 
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0;
-  double ref = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    ref += double(b[i]) * b[i];
-  }
-  return std::sqrt(diff / std::max(ref, 1e-30));
+double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
+  return test::compare(got, ref, 0.0, 0.0).rel_l2;
 }
 
 DenseModelOptions small_cache(KvCacheDtype dtype, KvScalesMode mode) {

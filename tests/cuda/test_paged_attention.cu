@@ -72,8 +72,8 @@ TEST(PagedAttentionCuda, PrefillAndDecodeRoutesMatchCpuReference) {
   uint32_t seed = 100;
   for (const AttentionCase& c : cases) {
     const RunResult r = run_case(c, seed++);
-    EXPECT_EQ(r.cmp.nan_count, 0) << describe(c);
-    EXPECT_LE(r.cmp.rel_l2, 2e-3) << describe(c) << " max abs " << r.cmp.max_abs;
+    EXPECT_EQ(r.cmp.n_nan, 0) << describe(c);
+    EXPECT_LE(r.cmp.rel_l2, 2e-3) << describe(c) << " max abs " << r.cmp.max_abs_err;
     // Every chunk of 2+ rows went through the prefill kernel: 37 + 67 + 5 + 30 rows.
     EXPECT_EQ(r.prefill_rows, 139) << describe(c);
     worst = std::max(worst, r.cmp.rel_l2);

@@ -17,13 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/norm_rope.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_indexer_write.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 #include "core/half.h"
+#include "core/norm_rope.h"
 #include "device_buffer.cuh"
 #include "qsa/indexer_cache.h"
 #include "qsa/selection.h"

@@ -158,10 +158,11 @@ TEST(ScaleGateKeys, ParseFlags) {
   EXPECT_EQ(*parse_kv_cache_dtype("fp8_e4m3"), KvCacheDtype::kE4m3);
   EXPECT_EQ(*parse_kv_cache_dtype("fp8"), KvCacheDtype::kE4m3);
   EXPECT_EQ(*parse_kv_cache_dtype("fp16"), KvCacheDtype::kF16);
-  EXPECT_TRUE(contains(parse_kv_cache_dtype("fp8_e5m2").message(), "--kv-cache-dtype"));
+  EXPECT_EQ(parse_kv_cache_dtype("fp8_e5m2").status().option(), "kv_cache_dtype");
+  EXPECT_TRUE(contains(parse_kv_cache_dtype("fp8_e5m2").message(), "expected fp16 or fp8_e4m3"));
   EXPECT_EQ(*parse_kv_scales_mode("calibrated"), KvScalesMode::kCalibrated);
   EXPECT_EQ(*parse_kv_scales_mode("unit"), KvScalesMode::kUnit);
-  EXPECT_TRUE(contains(parse_kv_scales_mode("dynamic").message(), "--kv-scales"));
+  EXPECT_EQ(parse_kv_scales_mode("dynamic").status().option(), "kv_scales_mode");
 }
 
 TEST_F(ScaleGateTest, CompleteValidSetIsCopied) {
@@ -207,9 +208,10 @@ TEST_F(ScaleGateTest, NoneLoaded) {
     EXPECT_TRUE(contains(m, "  missing: " + key(layer, KvTensor::kK) + "\n")) << m;
     EXPECT_TRUE(contains(m, "  missing: " + key(layer, KvTensor::kV) + "\n")) << m;
   }
-  EXPECT_TRUE(contains(m,
-                       "\n  make an overlay: e4kv summarize STATS... --out scales.json && e4kv "
-                       "overlay /models/base --scales scales.json --out /models/base-kvscales"))
+  EXPECT_TRUE(contains(
+      m,
+      "\n  make an overlay: e4kv summarize STATS... --out scales.json --report "
+      "report && e4kv overlay /models/base --scales scales.json --out /models/base-kvscales"))
       << m;
 }
 

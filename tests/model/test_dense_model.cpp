@@ -640,7 +640,8 @@ TEST(DenseModel, SlidingWindowShorterThanContextIsRefused) {
   Result<std::unique_ptr<DenseModel>> model = DenseModel::load(*ckpt, *backend, options);
   ASSERT_FALSE(model.ok());
   EXPECT_NE(model.message().find("sliding window of 4096"), std::string::npos) << model.message();
-  EXPECT_NE(model.message().find("--max-model-len 4096"), std::string::npos) << model.message();
+  EXPECT_EQ(model.status().option(), "max_model_len");
+  EXPECT_NE(model.message().find("give 4096 or less"), std::string::npos) << model.message();
 }
 
 TEST(DenseModel, ForwardRejectsBadMetadata) {

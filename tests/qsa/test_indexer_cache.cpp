@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/norm_rope.h"
 #include "core/half.h"
+#include "core/norm_rope.h"
 
 namespace e4kv {
 namespace {

@@ -11,8 +11,8 @@
 #include <random>
 #include <vector>
 
-#include "backend/cpu/norm_rope.h"
 #include "core/half.h"
+#include "core/norm_rope.h"
 #include "qsa/indexer_cache.h"
 #include "qsa/selection.h"
 

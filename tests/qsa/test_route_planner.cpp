@@ -165,6 +165,7 @@ std::vector<std::vector<AttentionRouteLimits>> small_tables() {
 
   AttentionRouteLimits wide = base;  // tiles of 4..6 rows, even only, 2 tiles / 10 rows per launch
   wide.name = "wide";
+  wide.kernel = AttentionKernel::kPrefillTiles;
   wide.min_rows_per_tile = 4;
   wide.max_rows_per_tile = 6;
   wide.tile_row_multiple = 2;
@@ -172,6 +173,7 @@ std::vector<std::vector<AttentionRouteLimits>> small_tables() {
   wide.max_tiles_per_launch = 2;
   AttentionRouteLimits pair = base;  // tiles of exactly 2 rows, 3 tiles per launch
   pair.name = "pair";
+  pair.kernel = AttentionKernel::kPrefillTiles;
   pair.min_rows_per_tile = 2;
   pair.max_rows_per_tile = 2;
   pair.max_rows_per_launch = 6;
@@ -280,6 +282,16 @@ TEST(RoutePlanner, RejectsBadTables) {
   EXPECT_TRUE(broken([](AttentionRouteLimits& r) { r.min_rows_per_tile = 17; }));
   // multiple 32 > max 16: no tile size at all.
   EXPECT_TRUE(broken([](AttentionRouteLimits& r) { r.tile_row_multiple = 32; }));
+  // A 16-row tile route marked as the single-row decode kernel.
+  EXPECT_TRUE(broken([](AttentionRouteLimits& r) { r.kernel = AttentionKernel::kDecodeRows; }));
+}
+
+TEST(RoutePlanner, RouteTablesNameTheirKernels) {
+  for (const auto& table : {reference_attention_routes(), cuda_attention_routes()}) {
+    for (const AttentionRouteLimits& r : table) {
+      EXPECT_EQ(r.kernel == AttentionKernel::kPrefillTiles, r.max_rows_per_tile > 1) << r.name;
+    }
+  }
 }
 
 TEST(RoutePlanner, CheckCatchesBrokenPlans) {

@@ -4,6 +4,9 @@
 // error ||got - ref|| / ||ref|| over the finite pairs, and the NaN count of `got`.
 //
 //   EXPECT_TRUE(e4kv::test::all_close(got, ref, /*atol=*/1e-6, /*rtol=*/1e-5));
+//   EXPECT_LE(e4kv::test::compare(got, ref, 0.0, 0.0).rel_l2, 1e-3);  // a bound on one measure
+//
+// Sizes that differ make every measure infinite.
 //
 // got and ref: any contiguous ranges of arithmetic values (std::vector<float>,
 // std::span<double>..).
@@ -13,7 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <ranges>
+#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -50,17 +53,19 @@ struct CompareReport {
 template <class Got, class Ref>
 CompareReport compare(const Got& got, const Ref& ref, double atol, double rtol) {
   CompareReport report;
-  const auto n_got = int64_t(std::ranges::size(got));
-  const auto n_ref = int64_t(std::ranges::size(ref));
+  const auto n_got = int64_t(std::size(got));
+  const auto n_ref = int64_t(std::size(ref));
   if (n_got != n_ref) {
+    // Every error measure infinite, so a bound on any of them fails.
     report.size_mismatch = true;
+    report.max_abs_err = report.rel_l2 = INFINITY;
     return report;
   }
   report.n = n_ref;
   double diff_sq = 0.0;
   double ref_sq = 0.0;
-  const auto* g = std::ranges::data(got);
-  const auto* r = std::ranges::data(ref);
+  const auto* g = std::data(got);
+  const auto* r = std::data(ref);
   for (int64_t i = 0; i < n_ref; ++i) {
     const double a = double(g[i]);
     const double b = double(r[i]);

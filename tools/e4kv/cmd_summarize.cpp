@@ -34,6 +34,7 @@ struct SummarizeArgs {
 Status check_outputs(const SummarizeArgs& args) {
   OutputRules rules;
   rules.force = args.force;
+  rules.force_name = "--force";
   for (const std::string& path : args.stats) rules.inputs.emplace_back(path);
   if (!args.envelope.empty()) rules.inputs.emplace_back(args.envelope);
   if (Status out = check_output_file(args.out, rules); !out.ok()) {

@@ -102,6 +102,7 @@ Status run_synth_stats(const SynthStatsArgs& args) {
   }
   OutputRules rules;
   rules.force = args.force;
+  rules.force_name = "--force";
   rules.inputs.emplace_back(args.model_dir);
   if (Status out = check_output_file(args.out, rules); !out.ok()) {
     return Status::error(cat("--out: ", out.message()));

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "option_flags.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"e4kv: a calibrated FP8 (E4M3) KV cache engine and its tools"};
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (!result.ok()) {
-    std::fprintf(stderr, "e4kv: error: %s\n", result.message().c_str());
+    std::fprintf(stderr, "e4kv: error: %s\n", e4kv::cli::cli_message(result).c_str());
     return 1;
   }
   return 0;

@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "calib/kv_stats.h"
 #include "core/status.h"
 #include "kv/kv_cache_view.h"
+#include "kv/kv_histogram.h"
 
 namespace e4kv::cuda {
 

@@ -13,26 +13,18 @@
 #include "backend/cuda/e4m3_vec.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/paged_decode_attention.cuh"
+#include "backend/cuda/paged_rows_device.cuh"
 #include "backend/cuda/timeline.cuh"
 
 namespace e4kv::cuda::decode_device {
 
-constexpr int kWarpsPerCta = 4;
-constexpr int kTileTokens = 8;
+constexpr int kWarpsPerCta = int(kDecodeWarpsPerCta);
+constexpr int kTileTokens = int(kDecodeTileTokens);
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 struct DecodeKernelParams {
-  const uint8_t* cache;  // [n_blocks, 2, block_size, n_kv_heads, head_dim] FP16 or E4M3 bytes
-  int32_t block_size;
-  int32_t block_shift;  // log2(block_size) when a power of two, else -1
-  int32_t n_kv_heads;
-  const int32_t* block_table;  // [n_seqs, max_blocks_per_seq]
-  int64_t max_blocks_per_seq;
-  const int32_t* row_seq;     // [n_rows]
-  const int32_t* row_pos;     // [n_rows]
-  const int32_t* sel_tokens;  // [n_rows, sel_width] or nullptr (dense)
-  const int32_t* sel_counts;  // [n_rows]
-  int64_t sel_width;
+  PagedKvDevice kv;
+  PagedRowsDevice rows;
   int32_t n_heads;
   int32_t group;        // n_heads / n_kv_heads
   const uint16_t* q;    // [n_rows, n_heads, head_dim] FP16
@@ -128,22 +120,6 @@ __device__ __forceinline__ void store_merged(float acc, float l_sum, float out_s
 #endif
 #ifndef E4KV_DECODE_RING_BYTES
 #define E4KV_DECODE_RING_BYTES 12288
-#endif
-// The planner's fixed cost of one split, in keys, and the fewest keys it gives a split.
-#ifndef E4KV_DECODE_SPLIT_COST_KEYS
-#define E4KV_DECODE_SPLIT_COST_KEYS 64
-#endif
-// The planner's cost of each CTA of a row and KV head, in keys: every CTA writes a partial result
-// that the merge reads back one after another, and more CTAs share the SMs. Fitted on the H200
-// (see notes): without this term the planner chose 32 CTAs per row and KV head for QSA 4 x 2048
-// keys where 16 are fastest, and 128 for one 20K sequence where 47-64 are. With more, shorter
-// splits a warp's fixed work (Q, the key window, the CTA combine, the partial stores) outweighs
-// its keys.
-#ifndef E4KV_DECODE_CTA_COST_KEYS
-#define E4KV_DECODE_CTA_COST_KEYS 1.25
-#endif
-#ifndef E4KV_DECODE_MIN_SPLIT_KEYS
-#define E4KV_DECODE_MIN_SPLIT_KEYS 16
 #endif
 // The async path (sm_80+ only) uses mma.m16n8k16 where a pair of k8 steps allows it.
 #ifndef E4KV_DECODE_MMA_K16
@@ -243,14 +219,16 @@ struct KeyList {
   int32_t width;
 
   __device__ static KeyList for_row(const DecodeKernelParams& p, int row) {
-    return KeyList{p.sel_tokens != nullptr ? p.sel_tokens + int64_t(row) * p.sel_width : nullptr,
-                   int32_t(p.sel_width)};
+    return KeyList{p.rows.sel_tokens != nullptr
+                       ? p.rows.sel_tokens + int64_t(row) * p.rows.sel_width
+                       : nullptr,
+                   int32_t(p.rows.sel_width)};
   }
   __device__ bool selected() const { return sel != nullptr; }
   __device__ int at(int key) const { return sel[key]; }
   __device__ int clamped(int key) const { return __ldg(sel + min(key, int(width) - 1)); }
   __device__ int count(const DecodeKernelParams& p, int row) const {
-    return sel != nullptr ? p.sel_counts[row] : p.row_pos[row] + 1;
+    return sel != nullptr ? p.rows.sel_counts[row] : p.rows.row_pos[row] + 1;
   }
 };
 
@@ -297,8 +275,8 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row group
   const int t = lane & 3;   // thread in group
-  const int row = blockIdx.x / p.n_kv_heads;
-  const int kv_head = blockIdx.x % p.n_kv_heads;
+  const int row = blockIdx.x / p.kv.n_kv_heads;
+  const int kv_head = blockIdx.x % p.kv.n_kv_heads;
   const int split = blockIdx.y * kWarps + warp;  // < n_splits (a multiple of kWarps)
 
   const int k_begin = split * p.keys_per_split;
@@ -324,9 +302,9 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
   const int k_end =
       kClusterMerge && split == p.n_splits - 1 ? n_keys : min(n_keys, k_begin + p.keys_per_split);
   const int head0 = kv_head * p.group;
-  const int seq = p.row_seq[row];
-  const int32_t* table = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
-  const int64_t row_bytes = int64_t(p.n_kv_heads) * kHeadDim * kEB;
+  const int seq = p.rows.row_seq[row];
+  const int32_t* table = p.rows.block_table + int64_t(seq) * p.rows.max_blocks_per_seq;
+  const int64_t row_bytes = int64_t(p.kv.n_kv_heads) * kHeadDim * kEB;
   const int64_t head_offset = int64_t(kv_head) * kHeadDim * kEB;
 
   // Q as A fragments, dims permuted like the K loads: step (c, m) covers, for thread t, dims
@@ -371,14 +349,14 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     const int pos = keys.selected() ? keys.at(key) : key;
     int64_t block;
     int slot;
-    if (p.block_shift >= 0) {
-      block = table[pos >> p.block_shift];
-      slot = pos & (p.block_size - 1);
+    if (p.kv.block_shift >= 0) {
+      block = table[pos >> p.kv.block_shift];
+      slot = pos & (p.kv.block_size - 1);
     } else {
-      block = table[pos / p.block_size];
-      slot = pos % p.block_size;
+      block = table[pos / p.kv.block_size];
+      slot = pos % p.kv.block_size;
     }
-    return p.cache + ((block * 2 + kv) * p.block_size + slot) * row_bytes + head_offset;
+    return p.kv.cache + ((block * 2 + kv) * p.kv.block_size + slot) * row_bytes + head_offset;
   };
 
   // The raw fragments of one iteration (kSub tiles of 8 tokens).
@@ -423,17 +401,17 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     const int pos = keys.selected() ? __shfl_sync(kFullMask, raw, valid ? lane : 0)
                                     : (valid ? raw : key - lane);
     int index;
-    if (p.block_shift >= 0) {
-      index = pos >> p.block_shift;
-      slot = pos & (p.block_size - 1);
+    if (p.kv.block_shift >= 0) {
+      index = pos >> p.kv.block_shift;
+      slot = pos & (p.kv.block_size - 1);
     } else {
-      index = pos / p.block_size;
-      slot = pos % p.block_size;
+      index = pos / p.kv.block_size;
+      slot = pos % p.kv.block_size;
     }
-    block = __ldg(table + min(max(index, 0), int(p.max_blocks_per_seq) - 1));
+    block = __ldg(table + min(max(index, 0), int(p.rows.max_blocks_per_seq) - 1));
   };
   auto window_offset = [&](int block, int slot) {
-    return (int64_t(block) * 2 * p.block_size + slot) * row_bytes + head_offset;
+    return (int64_t(block) * 2 * p.kv.block_size + slot) * row_bytes + head_offset;
   };
   int64_t window_off = 0;             // the current window (K row of this lane's key)
   int next_block = 0, next_slot = 0;  // the next window: block-table load in flight
@@ -448,7 +426,7 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
   // then V rows, chunks swizzled. A lane copies one fixed chunk of every (32 / kRowChunks)-th
   // token, whose offset it takes from the window by shuffle (keys past k_end copy a valid token).
   uint8_t* ring = decode_smem + warp * (kStages * Shape::kStageBytes);
-  const int64_t v_bytes_offset = int64_t(p.block_size) * row_bytes;  // K row -> V row of a slot
+  const int64_t v_bytes_offset = int64_t(p.kv.block_size) * row_bytes;  // K row -> V row of a slot
   auto issue_iteration = [&](int tile, uint8_t* stage, int first_lane) {
     constexpr int kTokensPerRound = 32 / Shape::kRowChunks;
     const int chunk = lane % Shape::kRowChunks;
@@ -456,7 +434,7 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     for (int token = lane / Shape::kRowChunks; token < kIterTokens; token += kTokensPerRound) {
       const uint8_t* src;
       if constexpr (kWindows) {
-        src = p.cache + __shfl_sync(kFullMask, window_off, first_lane + token) + chunk * 16;
+        src = p.kv.cache + __shfl_sync(kFullMask, window_off, first_lane + token) + chunk * 16;
       } else {
         src = token_ptr(tile + token < k_end ? tile + token : k_begin, 0) + chunk * 16;
       }
@@ -852,20 +830,8 @@ inline DecodeKernelParams decode_kernel_params(const PagedAttentionParams& param
                        : config.native_e4m3 ? E4m3Decoder<E4m3Decode::kNative>::kValueFactor
                                             : E4m3Decoder<E4m3Decode::kSoftware>::kValueFactor;
   DecodeKernelParams kp{};
-  kp.cache = static_cast<const uint8_t*>(params.cache.data);
-  kp.block_size = int32_t(geo.block_size);
-  kp.block_shift = -1;
-  for (int shift = 0; shift < 31; ++shift) {
-    if ((int64_t(1) << shift) == geo.block_size) kp.block_shift = shift;
-  }
-  kp.n_kv_heads = int32_t(geo.n_kv_heads);
-  kp.block_table = params.block_table.blocks;
-  kp.max_blocks_per_seq = params.block_table.max_blocks_per_seq;
-  kp.row_seq = params.rows.row_seq;
-  kp.row_pos = params.rows.row_pos;
-  kp.sel_tokens = params.rows.sel_tokens;
-  kp.sel_counts = params.rows.sel_counts;
-  kp.sel_width = params.rows.sel_width;
+  kp.kv = paged_kv_device(params.cache);
+  kp.rows = paged_rows_device(params.block_table, params.rows);
   kp.n_heads = int32_t(params.n_heads);
   kp.group = int32_t(params.n_heads / geo.n_kv_heads);
   kp.q = params.q;

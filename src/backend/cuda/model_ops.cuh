@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "backend/rms_norm_form.h"
+#include "core/rms_norm_form.h"
 
 namespace e4kv::cuda {
 

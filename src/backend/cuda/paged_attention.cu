@@ -54,7 +54,8 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params,
   std::vector<RouteTile> decode_tiles;
   for (const RouteLaunch& launch : plan_.launches) {
     auto first = plan_.tiles.begin() + launch.first_tile;
-    auto& dst = routes_[launch.route].name == "cuda_prefill" ? prefill_tiles : decode_tiles;
+    auto& dst = routes_[launch.route].kernel == AttentionKernel::kPrefillTiles ? prefill_tiles
+                                                                               : decode_tiles;
     dst.insert(dst.end(), first, first + launch.n_tiles);
   }
   if (!prefill_tiles.empty()) {

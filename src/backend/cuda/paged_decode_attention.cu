@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kWarps * 32, kAsync ? E4KV_DECODE_ASYNC_MIN_CT
   E4KV_TL_ENTER_DEPENDENT_GRID(kTlDecode);
   extern __shared__ __align__(16) uint8_t decode_smem[];
   decode_attention_body<kHeadDim, Elem, kHeadTiles, kAsync, kWarps, kCluster>(
-      p, KeyList::for_row(p, int(blockIdx.x) / p.n_kv_heads), decode_smem);
+      p, KeyList::for_row(p, int(blockIdx.x) / p.kv.n_kv_heads), decode_smem);
 }
 
 // One CTA per (row, head, 32-dim chunk) with kMergeWarps warps: warp w merges the splits
@@ -290,65 +290,6 @@ Result<DecodeClusterMerge> decode_attention_cluster_merge(const KvCacheGeometry&
                                            size_t(inst.smem_bytes), unsigned(inst.cluster));
   E4KV_CUDA_CHECK(cudaSetDevice(saved));
   return DecodeClusterMerge{int64_t(clusters), int64_t(inst.cluster) * kDecodeClusterWarps};
-}
-
-DecodeAttentionPlan plan_decode_attention_cluster(int64_t max_keys, int64_t n_splits) {
-  const int64_t splits = std::max<int64_t>(1, n_splits);
-  const int64_t keys = std::max<int64_t>(1, max_keys);
-  const int64_t floor8 = keys / splits / kTileTokens * kTileTokens;
-  const int64_t ceil8 =
-      ((keys + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens;
-  // The last split's keys with the floor: within a tile of the others'.
-  const bool floor_fits = floor8 > 0 && keys - (splits - 1) * floor8 <= floor8 + kTileTokens;
-  DecodeAttentionPlan plan{floor_fits ? floor8 : ceil8, splits};
-  plan.merge_in_cluster = true;
-  return plan;
-}
-
-DecodeAttentionPlan choose_decode_attention_plan(int64_t n_rows, int64_t n_kv_heads,
-                                                 int64_t max_keys, int64_t resident_ctas,
-                                                 const DecodeClusterMerge& cluster) {
-  if (cluster.splits > 0 && max_keys <= kDecodeClusterMaxKeys &&
-      n_rows * n_kv_heads <= cluster.clusters) {
-    return plan_decode_attention_cluster(max_keys, cluster.splits);
-  }
-  return plan_decode_attention(n_rows, n_kv_heads, max_keys, resident_ctas);
-}
-
-DecodeAttentionPlan plan_decode_attention(int64_t n_rows, int64_t n_kv_heads, int64_t max_keys,
-                                          int64_t resident_ctas) {
-  // Every split count (a multiple of the 4 warps of a CTA, at least 16 keys per warp) is costed
-  // as waves x (keys per split + a fixed cost per split) + a cost per CTA of a row and KV head: a
-  // launch of C CTAs with R resident at once takes ceil(C / R) rounds, each as long as one split;
-  // each split also loads Q and fills its pipeline, and each CTA writes a partial result the
-  // merge reads back. The cheapest wins; among those within 2% of it, the fewest splits.
-  const int64_t items = std::max<int64_t>(1, n_rows * n_kv_heads);
-  const int64_t slots = std::max<int64_t>(1, resident_ctas);
-  const int64_t keys = std::max<int64_t>(1, max_keys);
-  const int64_t most = std::max<int64_t>(
-      kWarpsPerCta, (keys + E4KV_DECODE_MIN_SPLIT_KEYS - 1) / E4KV_DECODE_MIN_SPLIT_KEYS);
-  auto keys_per_split = [&](int64_t splits) {
-    const int64_t k = (keys + splits - 1) / splits;
-    return (k + kTileTokens - 1) / kTileTokens * kTileTokens;
-  };
-  auto cost = [&](int64_t splits) {
-    const int64_t ctas = items * splits / kWarpsPerCta;
-    return double((ctas + slots - 1) / slots) *
-               double(keys_per_split(splits) + E4KV_DECODE_SPLIT_COST_KEYS) +
-           E4KV_DECODE_CTA_COST_KEYS * double(splits / kWarpsPerCta);
-  };
-  double best = cost(kWarpsPerCta);
-  for (int64_t s = 2 * kWarpsPerCta; s < most + kWarpsPerCta; s += kWarpsPerCta) {
-    best = std::min(best, cost(s));
-  }
-  int64_t splits = kWarpsPerCta;
-  while (cost(splits) > best * 1.02) splits += kWarpsPerCta;
-  return DecodeAttentionPlan{keys_per_split(splits), splits};
-}
-
-size_t decode_attention_workspace_floats(int64_t max_rows, int64_t max_splits, int64_t n_heads,
-                                         int64_t head_dim) {
-  return size_t(max_rows * max_splits * n_heads * (head_dim + 2));
 }
 
 Status paged_decode_attention(const PagedAttentionParams& params, const DecodeAttentionPlan& plan,

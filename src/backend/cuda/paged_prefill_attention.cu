@@ -34,24 +34,17 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/e4m3_vec.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/paged_rows_device.cuh"
 
 namespace e4kv::cuda {
 namespace {
 
 constexpr int kThreads = 128;  // 4 warps
-constexpr int kSlots = 64;     // query-head slots per CTA, 16 per warp
+constexpr int kSlots = int(kPrefillQuerySlots);  // query-head slots per CTA, 16 per warp
 
 struct PrefillKernelParams {
-  const uint8_t* cache;  // [n_blocks, 2, block_size, n_kv_heads, head_dim] FP16 or E4M3 bytes
-  int32_t block_size;
-  int32_t n_kv_heads;
-  const int32_t* block_table;  // [n_seqs, max_blocks_per_seq]
-  int64_t max_blocks_per_seq;
-  const int32_t* row_seq;     // [n_rows]
-  const int32_t* row_pos;     // [n_rows]
-  const int32_t* sel_tokens;  // [n_rows, sel_width] or nullptr (dense)
-  const int32_t* sel_counts;  // [n_rows]
-  int64_t sel_width;
+  PagedKvDevice kv;
+  PagedRowsDevice rows;
   int32_t n_heads;
   int32_t group;                     // n_heads / n_kv_heads
   const uint16_t* q;                 // [n_rows, n_heads, head_dim] FP16
@@ -138,10 +131,10 @@ __global__ void __launch_bounds__(kThreads)
   const int kv_head = blockIdx.y;
   const int head0 = kv_head * p.group;
   const int n_slots = item.n_rows * p.group;
-  const int seq = p.row_seq[item.first_row];
-  const int32_t* table = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
-  const bool qsa = p.sel_tokens != nullptr;
-  const int64_t row_bytes = int64_t(p.n_kv_heads) * kHeadDim * Elem::kBytes;
+  const int seq = p.rows.row_seq[item.first_row];
+  const int32_t* table = p.rows.block_table + int64_t(seq) * p.rows.max_blocks_per_seq;
+  const bool qsa = p.rows.sel_tokens != nullptr;
+  const int64_t row_bytes = int64_t(p.kv.n_kv_heads) * kHeadDim * Elem::kBytes;
   const int64_t head_offset = int64_t(kv_head) * kHeadDim * Elem::kBytes;
 
   for (int i = tid; i < kSlots * kChunks; i += kThreads) {
@@ -166,10 +159,10 @@ __global__ void __launch_bounds__(kThreads)
   int count = 0;
   if (tid < item.n_rows) {
     const int row = item.first_row + tid;
-    atomicMax(&s_max_pos, p.row_pos[row]);
+    atomicMax(&s_max_pos, p.rows.row_pos[row]);
     if (qsa) {
-      sel = p.sel_tokens + int64_t(row) * p.sel_width;
-      count = p.sel_counts[row];
+      sel = p.rows.sel_tokens + int64_t(row) * p.rows.sel_width;
+      count = p.rows.sel_counts[row];
       if (count > 0) atomicMin(&s_next[0], sel[0]);
     }
   }
@@ -181,8 +174,8 @@ __global__ void __launch_bounds__(kThreads)
   const int slot_hi = slot_lo + 8;
   const int row_lo = slot_lo / p.group;  // item row
   const int row_hi = slot_hi / p.group;
-  const int pos_lo = slot_lo < n_slots ? p.row_pos[item.first_row + row_lo] : -1;
-  const int pos_hi = slot_hi < n_slots ? p.row_pos[item.first_row + row_hi] : -1;
+  const int pos_lo = slot_lo < n_slots ? p.rows.row_pos[item.first_row + row_lo] : -1;
+  const int pos_hi = slot_hi < n_slots ? p.rows.row_pos[item.first_row + row_hi] : -1;
 
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.0f, 0.0f};  // this thread's partial sums; the group's 4 are added at the end
@@ -214,9 +207,9 @@ __global__ void __launch_bounds__(kThreads)
       const int pos = tile_start + key;
       raw[j] = make_uint4(0u, 0u, 0u, 0u);
       if (pos <= max_pos) {
-        const int64_t block = table[pos / p.block_size];
-        const int slot = pos % p.block_size;
-        const uint8_t* src = p.cache + ((block * 2 + kv) * p.block_size + slot) * row_bytes +
+        const int64_t block = table[pos / p.kv.block_size];
+        const int slot = pos % p.kv.block_size;
+        const uint8_t* src = p.kv.cache + ((block * 2 + kv) * p.kv.block_size + slot) * row_bytes +
                              head_offset + piece * 16;
         raw[j] = __ldg(reinterpret_cast<const uint4*>(src));
       }
@@ -404,24 +397,6 @@ void dispatch_head_dim(const PrefillKernelParams& kp, int64_t head_dim, int64_t 
 
 }  // namespace
 
-int64_t prefill_rows_per_item(int64_t gqa_group) {
-  return gqa_group <= 0 ? 0 : kSlots / gqa_group;
-}
-
-std::vector<PrefillAttentionItem> plan_prefill_items(std::span<const RouteTile> tiles,
-                                                     int64_t gqa_group) {
-  const int64_t per_item = prefill_rows_per_item(gqa_group);
-  std::vector<PrefillAttentionItem> items;
-  if (per_item <= 0) return items;
-  for (const RouteTile& tile : tiles) {
-    for (int64_t r = 0; r < tile.n_rows; r += per_item) {
-      items.push_back(PrefillAttentionItem{static_cast<int32_t>(tile.first_row + r),
-                                           static_cast<int32_t>(std::min(per_item, tile.n_rows - r))});
-    }
-  }
-  return items;
-}
-
 Status paged_prefill_attention(const PagedAttentionParams& params,
                                const PrefillAttentionItem* items, int64_t n_items,
                                bool native_e4m3, cudaStream_t stream) {
@@ -459,16 +434,8 @@ Status paged_prefill_attention(const PagedAttentionParams& params,
   }
 
   PrefillKernelParams kp{};
-  kp.cache = static_cast<const uint8_t*>(params.cache.data);
-  kp.block_size = static_cast<int32_t>(geo.block_size);
-  kp.n_kv_heads = static_cast<int32_t>(geo.n_kv_heads);
-  kp.block_table = params.block_table.blocks;
-  kp.max_blocks_per_seq = params.block_table.max_blocks_per_seq;
-  kp.row_seq = params.rows.row_seq;
-  kp.row_pos = params.rows.row_pos;
-  kp.sel_tokens = params.rows.sel_tokens;
-  kp.sel_counts = params.rows.sel_counts;
-  kp.sel_width = params.rows.sel_width;
+  kp.kv = paged_kv_device(params.cache);
+  kp.rows = paged_rows_device(params.block_table, params.rows);
   kp.n_heads = static_cast<int32_t>(params.n_heads);
   kp.group = static_cast<int32_t>(params.n_heads / geo.n_kv_heads);
   kp.q = params.q;

@@ -5,28 +5,12 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <span>
-#include <vector>
 
 #include "backend/attention_params.h"
+#include "backend/attention_plan.h"
 #include "core/status.h"
-#include "qsa/route_planner.h"
 
 namespace e4kv::cuda {
-
-// One CTA's rows: params.rows rows [first_row, first_row + n_rows), all of one sequence (the same
-// row_seq), n_rows <= prefill_rows_per_item(gqa_group). Positions need not be consecutive.
-struct PrefillAttentionItem {
-  int32_t first_row = 0;
-  int32_t n_rows = 0;
-};
-
-// Query rows one CTA takes: 64 query-head slots / the GQA group (64 rows for MHA, 8 for group 8).
-int64_t prefill_rows_per_item(int64_t gqa_group);
-
-// Cuts route tiles (rows of one sequence) into CTA items of at most prefill_rows_per_item rows.
-std::vector<PrefillAttentionItem> plan_prefill_items(std::span<const RouteTile> tiles,
-                                                     int64_t gqa_group);
 
 // out rows of every item = attention of those rows, exactly what paged_attention (CPU) computes.
 // items: device array [n_items]. Rows outside the items are not written. Limits: head_dim 64, 128

@@ -69,6 +69,7 @@
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/paged_rows_device.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 #include "backend/cuda/timeline.cuh"
 
@@ -101,10 +102,7 @@ struct ScoresKernelParams {
   int32_t rows_per_block_shift;  // log2(rows_per_block) when a power of two, else -1
   int32_t ratio;
   int32_t index_dim;
-  const int32_t* block_table;  // [n_seqs, max_blocks_per_seq]
-  int64_t max_blocks_per_seq;
-  const int32_t* row_seq;   // [n_rows]
-  const int32_t* row_pos;   // [n_rows]
+  PagedRowsDevice rows;     // the selection fields unused
   const int32_t* seq_lens;  // [n_seqs]
   const uint16_t* index_q;  // [n_rows, n_heads, index_dim] FP16
   int32_t n_heads;
@@ -201,8 +199,8 @@ struct Producer {
       const bool fresh = row != meta_row;
       int64_t pos = 0;
       if (fresh) {
-        seq = __ldg(p.row_seq + row);
-        pos = __ldg(p.row_pos + row);
+        seq = __ldg(p.rows.row_seq + row);
+        pos = __ldg(p.rows.row_pos + row);
       }
       // Logical block and slot of each copied group, stepping 8 groups at a time (one division
       // per tile).
@@ -226,11 +224,12 @@ struct Producer {
           while (slot[i] >= rpb) slot[i] -= rpb, ++logical[i];
         }
       }
-      const int32_t* table_row = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
+      const int32_t* table_row = p.rows.block_table + int64_t(seq) * p.rows.max_blocks_per_seq;
       int32_t block[kCopyRounds];
 #pragma unroll
       for (int i = 0; i < kCopyRounds; ++i) {
-        block[i] = int64_t(logical[i]) < p.max_blocks_per_seq ? __ldg(table_row + logical[i]) : -1;
+        block[i] =
+            int64_t(logical[i]) < p.rows.max_blocks_per_seq ? __ldg(table_row + logical[i]) : -1;
       }
       if (fresh) {
         meta_row = row;
@@ -517,8 +516,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
   const int32_t row = int32_t(blockIdx.y);
   const int64_t base = (int64_t(blockIdx.x) * kMmaWarps + (threadIdx.x >> 5)) * kMmaTileGroups;
   if (base >= p.max_groups) return;
-  const int32_t seq = __ldg(p.row_seq + row);
-  const int64_t pos = __ldg(p.row_pos + row);
+  const int32_t seq = __ldg(p.rows.row_seq + row);
+  const int64_t pos = __ldg(p.rows.row_pos + row);
   const int64_t seq_len = __ldg(p.seq_lens + seq);
   const int64_t causal = (pos + 1) / p.ratio;
   const int64_t written = seq_len / p.ratio;
@@ -528,7 +527,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
   const int g = lane >> 2;
   const int t = lane & 3;
   const uint32_t rpb = uint32_t(p.rows_per_block);
-  const int32_t* table_row = p.block_table + int64_t(seq) * p.max_blocks_per_seq;
+  const int32_t* table_row = p.rows.block_table + int64_t(seq) * p.rows.max_blocks_per_seq;
   // Compressed row of the lane's groups base + 8 i + g. Groups past visible and unreadable blocks
   // are not read: their rows are zeros, so the score is exactly +0.
   uint32_t src[4];
@@ -546,7 +545,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1)
       slot = c - logical * rpb;
     }
     int32_t block = -1;
-    if (int64_t(c) < visible && int64_t(logical) < p.max_blocks_per_seq) {
+    if (int64_t(c) < visible && int64_t(logical) < p.rows.max_blocks_per_seq) {
       block = __ldg(table_row + logical);
     }
     read[i] = block >= 0 && int64_t(block) < p.n_blocks;
@@ -747,10 +746,7 @@ Status qsa_index_scores(const QsaIndexScoresArgs& args, cudaStream_t stream) {
   }
   kp.ratio = int32_t(cv.ratio);
   kp.index_dim = int32_t(cv.index_dim);
-  kp.block_table = args.block_table.blocks;
-  kp.max_blocks_per_seq = args.block_table.max_blocks_per_seq;
-  kp.row_seq = args.rows.row_seq;
-  kp.row_pos = args.rows.row_pos;
+  kp.rows = paged_rows_device(args.block_table, args.rows);
   kp.seq_lens = args.rows.seq_lens;
   kp.index_q = args.index_q;
   kp.max_groups = args.max_groups;

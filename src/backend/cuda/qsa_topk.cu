@@ -80,7 +80,7 @@ struct TopKKernelParams {
   int32_t n_cand;
 };
 
-constexpr int kChunk = 4096;  // groups per CTA in the chunk phase
+constexpr int kChunk = int(kQsaTopKChunkGroups);  // groups per CTA in the chunk phase
 constexpr int kChunkThreads = 256;
 
 struct ChunkKernelParams {
@@ -608,19 +608,6 @@ bool qsa_top_k_cluster_available() {
   return cluster_top_k_usable();
 }
 
-int64_t qsa_top_k_filtered_max_groups() {
-  return int64_t(kFilterMaxWords) * 32;
-}
-
-size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
-                                 int64_t ratio) {
-  if (ratio < 1 || budget < ratio || max_groups <= 0 || n_rows <= 0) return 0;
-  const int64_t k = budget / ratio;
-  const int64_t n_chunks = (max_groups + kChunk - 1) / kChunk;
-  if (n_chunks * k >= max_groups || n_chunks > 65535) return 0;  // no shrink, or too many chunks
-  return size_t(n_rows * n_chunks * k) * (sizeof(uint32_t) + sizeof(int32_t));
-}
-
 namespace {
 
 // The fields every kernel's parameters share (TopKKernelParams, FilterKernelParams).
@@ -661,22 +648,18 @@ Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream) {
     return Status::error("qsa_top_k_select: a required device pointer is null");
   }
   QsaTopKMethod method = args.method;
-  const bool filter_fits = args.max_groups <= qsa_top_k_filtered_max_groups();
+  const bool filter_fits = args.max_groups <= kQsaTopKFilteredMaxGroups;
   if (method == QsaTopKMethod::kAuto) {
-    method = filter_fits && args.rows.n_rows < (int64_t(1) << 28) && cluster_top_k_usable()
-                 ? QsaTopKMethod::kCluster
-             : filter_fits               ? QsaTopKMethod::kFiltered
-             : args.workspace != nullptr ? QsaTopKMethod::kTwoPhase
-                                         : QsaTopKMethod::kScan;
+    method = choose_qsa_top_k_method(args.rows.n_rows, args.max_groups, cluster_top_k_usable(),
+                                     args.workspace != nullptr);
   }
   if (method == QsaTopKMethod::kFiltered || method == QsaTopKMethod::kCluster) {
     if (!filter_fits) {
       return Status::error(cat("qsa_top_k_select: max_groups ", args.max_groups,
                                " exceeds the filtered and cluster methods' limit of ",
-                               qsa_top_k_filtered_max_groups(),
-                               " groups; use QsaTopKMethod::kAuto"));
+                               kQsaTopKFilteredMaxGroups, " groups; use QsaTopKMethod::kAuto"));
     }
-    if (method == QsaTopKMethod::kCluster && args.rows.n_rows >= (int64_t(1) << 28)) {
+    if (method == QsaTopKMethod::kCluster && args.rows.n_rows >= kQsaTopKClusterMaxRows) {
       return Status::error(cat("qsa_top_k_select: n_rows ", args.rows.n_rows,
                                " is too many for the cluster method (8 CTAs per row, < 2^28)"));
     }

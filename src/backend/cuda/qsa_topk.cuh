@@ -8,30 +8,11 @@
 
 #include <cstdint>
 
+#include "backend/attention_plan.h"
 #include "core/status.h"
 #include "kv/kv_cache_view.h"
 
 namespace e4kv::cuda {
-
-// How qsa_top_k_select finds each row's top-k; every method gives identical results.
-enum class QsaTopKMethod {
-  kAuto,      // when max_groups <= qsa_top_k_filtered_max_groups(): kCluster where available, else
-              // kFiltered; longer rows: kTwoPhase with a workspace, else kScan
-  kFiltered,  // one CTA per row: a lower bound from the run maxima (per warp, then the block
-              // minimum), a select among the keys above it in shared memory, ordered emission from
-              // bitmaps (max_groups <= limit)
-  kCluster,   // the filtered steps spread over a cluster of 8 CTAs per row that share candidates
-              // through distributed shared memory (sm_90+, qsa_top_k_cluster_available();
-              // max_groups <= the filtered limit)
-  kTwoPhase,  // chunk candidates with many CTAs per row, then one CTA per row (needs workspace)
-  kScan,      // one CTA per row, radix passes over the whole row
-};
-
-// Groups per run for the run maxima that qsa_index_scores can write and kFiltered reads.
-inline constexpr int64_t kQsaRunGroups = 8;
-
-// Longest rows (in groups) the filtered method takes: 131072 groups = 512K tokens at ratio 4.
-int64_t qsa_top_k_filtered_max_groups();
 
 // Device pointers throughout.
 struct QsaTopKArgs {
@@ -57,10 +38,6 @@ struct QsaTopKArgs {
 // Whether kCluster runs on the current device: sm_90+ and sm_90 code in this build.
 bool qsa_top_k_cluster_available();
 
-// Bytes of the candidate workspace for these sizes; 0 when the two-phase path would not shrink the
-// rows (short contexts), so no workspace is needed.
-size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget, int64_t ratio);
-
 // For each row: visible = min((pos + 1) / ratio, seq_len / ratio) (cut to max_groups); visible <= k
 // takes every visible group without reading scores, otherwise the groups scoring strictly above
 // the k-th score and then the lowest-index groups equal to it; groups in increasing index, each
@@ -70,7 +47,7 @@ size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t bud
 // With kTwoPhase and a workspace, long rows take two phases: chunks of 4096 groups (many CTAs per
 // row) each keep their exact local top-k (same order), whose union holds the row's top-k, then one
 // CTA per row selects from the candidates. Both paths give identical results. Limits: none beyond
-// int32 indices (kFiltered, kCluster: max_groups <= qsa_top_k_filtered_max_groups(); kCluster: an
+// int32 indices (kFiltered, kCluster: max_groups <= kQsaTopKFilteredMaxGroups; kCluster: an
 // sm_90+ device; kTwoPhase: a workspace).
 // Returns an error for bad shapes; launch failures are fatal.
 Status qsa_top_k_select(const QsaTopKArgs& args, cudaStream_t stream);

@@ -94,7 +94,7 @@ __device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t value, int lane
 constexpr int kFilterThreads = 1024;
 constexpr int kFilterWarps = kFilterThreads / 32;
 constexpr int kRun = int(kQsaRunGroups);
-constexpr int kFilterMaxWords = 4096;  // per bitmap: 131072 groups
+constexpr int kFilterMaxWords = int(kQsaTopKFilteredMaxGroups / 32);  // per bitmap
 constexpr int kFilterCandidates = 4096;
 constexpr int kFilterShortRuns = 4;  // run slots per thread: rows up to 32768 groups
 constexpr int kFilterLongRuns = kFilterMaxWords * 32 / kRun / kFilterThreads;  // 131072 groups

@@ -308,16 +308,6 @@ std::vector<float> run_split(const Problem& problem, int64_t keys_per_split,
   return out;
 }
 
-double rel_l2(const std::vector<float>& got, const std::vector<double>& ref) {
-  double diff = 0.0;
-  double norm = 0.0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    diff += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
 double max_abs(const std::vector<double>& x) {
   double m = 0.0;
   for (const double v : x) m = std::max(m, std::fabs(v));
@@ -329,7 +319,7 @@ double max_abs(const std::vector<double>& x) {
 void expect_matches_naive(const std::vector<float>& got, const std::vector<double>& ref,
                           const std::string& what) {
   ASSERT_EQ(got.size(), ref.size());
-  EXPECT_LE(rel_l2(got, ref), 1e-5) << what;
+  EXPECT_LE(test::compare(got, ref, 0.0, 0.0).rel_l2, 1e-5) << what;
   EXPECT_TRUE(test::all_close(got, ref, 1e-5 * max_abs(ref), 1e-4)) << what;
 }
 

@@ -1,4 +1,4 @@
-#include "backend/cpu/norm_rope.h"
+#include "core/norm_rope.h"
 
 #include <cmath>
 

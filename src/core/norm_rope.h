@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "backend/rms_norm_form.h"
+#include "core/rms_norm_form.h"
 
 namespace e4kv {
 

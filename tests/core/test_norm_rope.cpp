@@ -1,5 +1,5 @@
 // RMSNorm and partial NeoX RoPE rows against plain double-precision formulas, and exact cases.
-#include "backend/cpu/norm_rope.h"
+#include "core/norm_rope.h"
 
 #include <gtest/gtest.h>
 

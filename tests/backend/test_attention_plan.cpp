@@ -1,17 +1,15 @@
-// Host-side planning of the CUDA attention and top-k launches (no device needed): prefill items
-// cover every tile row once, in order, within the CTA's slot budget; the runner's route table sends
-// runs of rows to the prefill kernel; the top-k workspace is asked for only where two phases
-// shrink the rows; decode splits cover every key and fill whole waves of resident CTAs.
+// The launch plans of the CUDA attention and top-k kernels (backend/attention_plan.h), tested in
+// the CPU suite: prefill items cover every tile row once, in order, within the CTA's slot budget;
+// the top-k workspace is asked for only where two phases shrink the rows and kAuto picks the
+// documented method; decode splits cover every key and fill whole waves of resident CTAs.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "backend/cuda/paged_decode_attention.cuh"
-#include "backend/cuda/paged_prefill_attention.cuh"
-#include "backend/cuda/qsa_topk.cuh"
+#include "backend/attention_plan.h"
 
-namespace e4kv::cuda {
+namespace e4kv {
 namespace {
 
 TEST(PrefillPlanning, ItemsCoverEveryTileRowOnceWithinTheSlotBudget) {
@@ -40,6 +38,8 @@ TEST(PrefillPlanning, ItemsCoverEveryTileRowOnceWithinTheSlotBudget) {
     }
   }
   EXPECT_TRUE(plan_prefill_items(tiles, 0).empty());
+  EXPECT_TRUE(plan_prefill_items(tiles, 65).empty());
+  EXPECT_EQ(prefill_rows_per_item(64), 1);
 }
 
 TEST(DecodePlanning, SplitsCoverEveryKeyAndFillWholeWaves) {
@@ -119,7 +119,23 @@ TEST(QsaTopKPlanning, WorkspaceOnlyWhereTwoPhasesShrinkTheRows) {
   // Bad sizes ask for nothing (the launcher reports them).
   EXPECT_EQ(qsa_top_k_workspace_bytes(0, 32768, 2048, 4), 0u);
   EXPECT_EQ(qsa_top_k_workspace_bytes(4, 32768, 2, 4), 0u);
+  // 65536 chunks would exceed the grid's y dimension: no two-phase workspace.
+  EXPECT_EQ(qsa_top_k_workspace_bytes(1, 65536 * kQsaTopKChunkGroups, 2048, 4), 0u);
+  EXPECT_GT(qsa_top_k_workspace_bytes(1, 65535 * kQsaTopKChunkGroups, 2048, 4), 0u);
+}
+
+TEST(QsaTopKPlanning, AutoPicksTheClusterThenTheFilterThenTwoPhasesThenTheScan) {
+  const int64_t fits = kQsaTopKFilteredMaxGroups;
+  const int64_t longer = kQsaTopKFilteredMaxGroups + 1;
+  EXPECT_EQ(choose_qsa_top_k_method(4, fits, true, false), QsaTopKMethod::kCluster);
+  EXPECT_EQ(choose_qsa_top_k_method(4, fits, false, true), QsaTopKMethod::kFiltered);
+  EXPECT_EQ(choose_qsa_top_k_method(kQsaTopKClusterMaxRows, 512, true, false),
+            QsaTopKMethod::kFiltered);
+  EXPECT_EQ(choose_qsa_top_k_method(4, longer, true, true), QsaTopKMethod::kTwoPhase);
+  EXPECT_EQ(choose_qsa_top_k_method(4, longer, true, false), QsaTopKMethod::kScan);
+  // 512K tokens at ratio 4 is the filter's limit.
+  EXPECT_EQ(kQsaTopKFilteredMaxGroups * 4, int64_t(512) * 1024);
 }
 
 }  // namespace
-}  // namespace e4kv::cuda
+}  // namespace e4kv

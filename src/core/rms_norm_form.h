@@ -1,5 +1,5 @@
 // The two RMSNorm weight forms every backend implements (the CPU reference's numeric contract is in
-// backend/cpu/norm_rope.h).
+// core/norm_rope.h).
 #pragma once
 
 namespace e4kv {
