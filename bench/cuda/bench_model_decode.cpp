@@ -55,6 +55,8 @@ Row run(const Checkpoint& ckpt, Backend& backend, KvCacheDtype dtype, int batch)
   const int64_t max_len = kPrompt + int64_t(2 * kSamples + 2) * kStepsPerSample;
   options.n_blocks = batch * blocks_for_tokens(max_len, options.block_size) + 1;
   options.max_model_len = max_len;
+  options.max_batch_tokens = batch * kPrompt;  // every prompt in one forward
+  options.max_seqs = batch;
   Result<std::unique_ptr<DenseModel>> loaded = DenseModel::load(ckpt, backend, options);
   if (!loaded.ok()) die(loaded.message());
   DenseModel& model = **loaded;

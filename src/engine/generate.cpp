@@ -9,7 +9,7 @@ namespace e4kv {
 namespace {
 
 // Appends `ids` at positions [table.n_tokens, ...) and returns the last row's logits.
-Result<std::vector<float>> feed(DenseModel& model, BlockAllocator& allocator, BlockTable& table,
+Result<std::vector<float>> feed(Model& model, BlockAllocator& allocator, BlockTable& table,
                                 std::span<const int32_t> ids) {
   const int64_t n = static_cast<int64_t>(ids.size());
   if (!allocator.can_append(table, n)) {
@@ -29,7 +29,7 @@ Result<std::vector<float>> feed(DenseModel& model, BlockAllocator& allocator, Bl
 
 }  // namespace
 
-Result<GenerateResult> generate(DenseModel& model, std::span<const int32_t> prompt,
+Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options,
                                 const std::function<void(int32_t)>& on_token) {
   E4KV_RETURN_IF_ERROR(validate_sampling_params(options.sampling));
@@ -56,7 +56,9 @@ Result<GenerateResult> generate(DenseModel& model, std::span<const int32_t> prom
   BlockAllocator allocator(model.n_blocks(), model.block_size());
   BlockTable table;
   Sampler sampler(options.sampling);
-  const int64_t chunk = options.prefill_chunk > 0 ? options.prefill_chunk : prompt_len;
+  // The prompt in forwards of at most the model's batch limit.
+  const int64_t chunk = std::min(options.prefill_chunk > 0 ? options.prefill_chunk : prompt_len,
+                                 model.limits().max_batch_tokens);
   Result<std::vector<float>> logits = Status::error("no forward ran");
   for (int64_t begin = 0; begin < prompt_len; begin += chunk) {
     const int64_t n = std::min(chunk, prompt_len - begin);

@@ -1,4 +1,4 @@
-// Single-request generation over a DenseModel: the prompt in one forward (or in chunks), then one
+// Single-request generation over a Model: the prompt in one forward (or in chunks), then one
 // token per forward, each new token handed to a callback as it comes (the CLI streams its text).
 // The continuous-batching engine will replace this loop; it shares the model's forward and the
 // sampler.
@@ -12,7 +12,7 @@
 
 #include "core/status.h"
 #include "engine/sampler.h"
-#include "model/dense_model.h"
+#include "model/model.h"
 
 namespace e4kv {
 
@@ -22,7 +22,8 @@ struct GenerateOptions {
   // Generation stops after producing one of these (it is kept in output_ids, as transformers
   // keeps EOS); empty: run to max_tokens or the max model length.
   std::vector<int32_t> stop_ids;
-  // Prompt tokens per prefill forward; 0: the whole prompt in one forward.
+  // Prompt tokens per prefill forward; 0: the whole prompt in one forward. Either way at most the
+  // model's max_batch_tokens (a longer prompt is cut into forwards of that many).
   int64_t prefill_chunk = 0;
 };
 
@@ -34,7 +35,7 @@ struct GenerateResult {
 // Runs one request in a fresh sequence of the model's cache. Errors: an empty prompt, a prompt of
 // max_model_len tokens or more, token ids outside the vocabulary, a cache too small for the
 // request, non-finite logits, and any forward error.
-Result<GenerateResult> generate(DenseModel& model, std::span<const int32_t> prompt,
+Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options,
                                 const std::function<void(int32_t)>& on_token = {});
 

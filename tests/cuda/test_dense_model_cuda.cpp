@@ -74,6 +74,7 @@ DenseModelOptions small_cache(KvCacheDtype dtype, KvScalesMode mode) {
   options.block_size = 16;
   options.n_blocks = 16;
   options.max_model_len = 128;
+  options.max_logit_rows = 128;  // the logits of every prompt row
   return options;
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "model/dense_model.h"
 #include "testing/files.h"
 #include "testing/synth_checkpoint.h"
 
@@ -27,11 +28,12 @@ class Generate : public ::testing::Test {
     backend_ = make_cpu_backend({2});
   }
 
-  std::unique_ptr<DenseModel> load(int64_t max_model_len = 128) {
+  std::unique_ptr<DenseModel> load(int64_t max_model_len = 128, int64_t max_batch_tokens = 0) {
     DenseModelOptions options;
     options.block_size = 16;
     options.n_blocks = 8;
     options.max_model_len = max_model_len;
+    options.max_batch_tokens = max_batch_tokens;
     Result<std::unique_ptr<DenseModel>> model = DenseModel::load(*ckpt_, *backend_, options);
     EXPECT_TRUE(model.ok()) << model.message();
     return model.ok() ? std::move(model).value() : nullptr;
@@ -88,6 +90,25 @@ TEST_F(Generate, ChunkedPrefillGivesTheSameTokens) {
   Result<GenerateResult> chunked = generate(*model, kPrompt, options);
   ASSERT_TRUE(whole.ok() && chunked.ok());
   EXPECT_EQ(whole->output_ids, chunked->output_ids);
+}
+
+TEST_F(Generate, APromptLongerThanTheBatchLimitIsCutIntoForwards) {
+  GenerateOptions options;
+  options.max_tokens = 10;
+  Result<GenerateResult> whole = generate(*load(), kPrompt, options);
+  // 13 prompt tokens through a model loaded for 5 rows per forward: 5 + 5 + 3.
+  auto small = load(128, /*max_batch_tokens=*/5);
+  ASSERT_NE(small, nullptr);
+  EXPECT_EQ(small->limits().max_batch_tokens, 5);
+  Result<GenerateResult> cut = generate(*small, kPrompt, options);
+  ASSERT_TRUE(whole.ok() && cut.ok()) << cut.message();
+  EXPECT_EQ(whole->output_ids, cut->output_ids);
+  // A forward of more rows than the limit is refused, naming it.
+  BlockAllocator allocator(small->n_blocks(), small->block_size());
+  BlockTable table;
+  allocator.append(table, 6);
+  const std::vector<int32_t> ids(6, 1), seq(6, 0), pos{0, 1, 2, 3, 4, 5}, last{5};
+  EXPECT_EQ(small->forward({ids, seq, pos, {&table}, last}).status().option(), "max_batch_tokens");
 }
 
 TEST_F(Generate, StopsAtAStopIdAndKeepsIt) {

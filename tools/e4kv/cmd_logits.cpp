@@ -33,8 +33,9 @@ Status run_logits(const LogitsArgs& args) {
   E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
   E4KV_ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_id_list("--ids", args.ids));
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
-                        load_model(args.model, static_cast<int64_t>(ids.size())));
-  DenseModel& model = *loaded.model;
+                        load_model(args.model, static_cast<int64_t>(ids.size()),
+                                   static_cast<int64_t>(ids.size())));
+  Model& model = *loaded.model;
   const int64_t n = static_cast<int64_t>(ids.size());
   if (n > model.max_model_len()) {
     return Status::error(

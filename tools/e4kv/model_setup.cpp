@@ -81,7 +81,7 @@ Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int thr
   return Status::error(cat("--device \"", device, "\": expected cpu, cuda or cuda:N"));
 }
 
-Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens) {
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows) {
   E4KV_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(flags.kv_cache_dtype));
   E4KV_ASSIGN_OR_RETURN(KvScalesMode mode, parse_kv_scales_mode(flags.kv_scales));
   E4KV_RETURN_IF_ERROR(validate_model_flags(flags));
@@ -96,7 +96,7 @@ Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens) {
   loaded.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
   E4KV_ASSIGN_OR_RETURN(loaded.backend, make_backend(flags.device, flags.threads));
 
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode = mode;
   options.block_size = flags.block_size;
@@ -106,8 +106,12 @@ Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens) {
   const int64_t cached =
       std::max<int64_t>(1, std::min(tokens, std::max<int64_t>(1, options.max_model_len)));
   options.n_blocks = blocks_for_tokens(cached, flags.block_size);
+  if (all_rows > 0) {
+    options.max_batch_tokens = all_rows;
+    options.max_logit_rows = all_rows;
+  }
   E4KV_ASSIGN_OR_RETURN(loaded.model,
-                        DenseModel::load(*loaded.checkpoint, *loaded.backend, options));
+                        e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
   if (dtype == KvCacheDtype::kE4m3) {
     std::fprintf(stderr, "e4kv: %s\n", loaded.model->kv_scales().summary.c_str());
   }

@@ -12,7 +12,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
-#include "model/dense_model.h"
+#include "model/model.h"
 
 namespace e4kv::cli {
 
@@ -35,16 +35,18 @@ Status validate_model_flags(const ModelFlags& flags);
 struct LoadedModel {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<DenseModel> model;
+  std::unique_ptr<Model> model;
 };
 
 // "cpu", "cuda" or "cuda:N". A binary built without the CUDA backend says so for cuda.
 Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads);
 
 // Opens the checkpoint, picks the backend and loads the model with a cache of enough blocks for
-// `tokens` tokens (capped at the max model length). For an E4M3 cache the K/V scale summary goes
-// to stderr (in unit mode it is the NEGATIVE CONTROL line).
-Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens);
+// `tokens` tokens (capped at the max model length). all_rows > 0: one forward of that many rows
+// returns the logits of every row (the logits command); otherwise the model's default limits.
+// For an E4M3 cache the K/V scale summary goes to stderr (in unit mode it is the NEGATIVE
+// CONTROL line).
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows = 0);
 
 // "1,2,3" (spaces allowed) -> ids; errors name `flag`.
 Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text);

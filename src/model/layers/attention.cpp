@@ -1,0 +1,111 @@
+#include "model/layers/attention.h"
+
+#include <algorithm>
+
+namespace e4kv {
+
+Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend,
+                                                      const AttentionShape& shape,
+                                                      int64_t max_rows) {
+  AttentionWorkspace ws;
+  const size_t n = size_t(max_rows);
+  const size_t act = backend.act_size();
+  const size_t q_dim = size_t(shape.q_dim());
+  const size_t kv_dim = size_t(shape.kv_dim());
+  struct Need {
+    BackendBuffer* buffer;
+    size_t bytes;
+  };
+  for (const Need& need :
+       {Need{&ws.q, n * q_dim * act}, Need{&ws.k, n * kv_dim * act}, Need{&ws.v, n * kv_dim * act},
+        Need{&ws.q16, n * q_dim * 2}, Need{&ws.k16, n * kv_dim * 2}, Need{&ws.v16, n * kv_dim * 2},
+        Need{&ws.attn, n * q_dim * 4}}) {
+    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
+  }
+  if (backend.act_dtype() != DType::kF32) {
+    E4KV_ASSIGN_OR_RETURN(ws.attn_act, backend.allocate(std::max<size_t>(64, n * q_dim * act)));
+  }
+  return ws;
+}
+
+Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::string& p,
+                                            const AttentionShape& shape) {
+  AttentionMixer m;
+  m.shape_ = shape;
+  const int64_t hidden = shape.hidden;
+  const int64_t q_dim = shape.q_dim();
+  const int64_t kv_dim = shape.kv_dim();
+  E4KV_ASSIGN_OR_RETURN(m.q_, weights.load(p + "q_proj.weight", {q_dim, hidden},
+                                           "[num_attention_heads * head_dim, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load(p + "k_proj.weight", {kv_dim, hidden},
+                                           "[num_key_value_heads * head_dim, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load(p + "v_proj.weight", {kv_dim, hidden},
+                                           "[num_key_value_heads * head_dim, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.o_, weights.load(p + "o_proj.weight", {hidden, q_dim},
+                                           "[hidden_size, num_attention_heads * head_dim]"));
+  if (shape.qkv_bias) {
+    E4KV_ASSIGN_OR_RETURN(m.q_bias_, weights.load(p + "q_proj.bias", {q_dim},
+                                                  "[num_attention_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load(p + "k_proj.bias", {kv_dim},
+                                                  "[num_key_value_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load(p + "v_proj.bias", {kv_dim},
+                                                  "[num_key_value_heads * head_dim]"));
+  }
+  if (shape.o_bias) {
+    E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {hidden}, "[hidden_size]"));
+  }
+  if (shape.qk_norm) {
+    E4KV_ASSIGN_OR_RETURN(m.q_norm_,
+                          weights.load(p + "q_norm.weight", {shape.head_dim}, "[head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(m.k_norm_,
+                          weights.load(p + "k_norm.weight", {shape.head_dim}, "[head_dim]"));
+  }
+  return m;
+}
+
+Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCacheView& cache,
+                               const void* x, void* out, AttentionWorkspace& ws,
+                               unsigned long long* non_finite) const {
+  const AttentionShape& s = shape_;
+  const int64_t n = ctx.n_rows();
+  const int64_t q_dim = s.q_dim();
+  const int64_t kv_dim = s.kv_dim();
+  const DType act = b.act_dtype();
+  E4KV_RETURN_IF_ERROR(b.linear(x, q_.data(), q_bias_.data(), n, s.hidden, q_dim, ws.q.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, kv_dim, ws.k.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, kv_dim, ws.v.data(), act));
+  if (s.qk_norm) {
+    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.q.data(), q_norm_.data(), n * s.n_heads, s.head_dim, s.eps,
+                                    s.qk_norm_form, ws.q.data()));
+    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.k.data(), k_norm_.data(), n * s.n_kv_heads, s.head_dim,
+                                    s.eps, s.qk_norm_form, ws.k.data()));
+  }
+  E4KV_RETURN_IF_ERROR(
+      b.rope_neox(ws.q.data(), ctx.cos(), ctx.sin(), n, s.n_heads, s.head_dim, s.rotary_dim));
+  E4KV_RETURN_IF_ERROR(
+      b.rope_neox(ws.k.data(), ctx.cos(), ctx.sin(), n, s.n_kv_heads, s.head_dim, s.rotary_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.q.data(), act, ws.q16.data(), DType::kF16, n * q_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * kv_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * kv_dim));
+  E4KV_RETURN_IF_ERROR(b.cache_write(cache, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(),
+                                     ctx.slots(), n, non_finite));
+
+  PagedAttentionParams params;
+  params.cache = cache;
+  params.block_table = ctx.block_table();
+  params.rows = ctx.rows();
+  params.n_heads = s.n_heads;
+  params.q = ws.q16.as<uint16_t>();
+  params.out = ws.attn.as<float>();
+  E4KV_RETURN_IF_ERROR(b.paged_attention(params, ctx.host_rows()));
+  const void* attn_in = ws.attn.data();
+  if (act != DType::kF32) {
+    E4KV_RETURN_IF_ERROR(b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
+    attn_in = ws.attn_act.data();
+  }
+  return b.linear(attn_in, o_.data(), o_bias_.data(), n, q_dim, s.hidden, out, act);
+}
+
+}  // namespace e4kv

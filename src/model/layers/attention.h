@@ -1,0 +1,70 @@
+// The full-attention mixer over the paged KV cache (FP16 or E4M3 behind the scale gate), for the
+// rows of one forward (x: [n_rows, hidden] act, already normed):
+//   q, k, v = x Wq^T (+bq), x Wk^T (+bk), x Wv^T (+bv)
+//   q, k = rms_norm per head (q_norm, k_norm)                      when the family has them
+//   q, k = rope_neox(q, k) at each row's position (the step's cos/sin)
+//   k16, v16 = fp16(k), fp16(v); cache_write(k16, v16) at each row's slot
+//   a = paged_attention(fp16(q)) over positions 0..pos of the row's sequence
+//   out = a Wo^T (+bo)
+// K, V and q are FP16 at the cache and attention, as the cache contract (DESIGN.md section 2) says.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "kv/kv_cache_view.h"
+#include "model/step_context.h"
+#include "model/weights.h"
+
+namespace e4kv {
+
+struct AttentionShape {
+  int64_t hidden = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;
+  bool qkv_bias = false;  // q/k/v_proj.bias
+  bool o_bias = false;    // o_proj.bias
+  bool qk_norm = false;   // q_norm.weight, k_norm.weight [head_dim]
+  RmsNormForm qk_norm_form = RmsNormForm::kWeight;
+  float eps = 1e-6f;
+
+  int64_t q_dim() const { return n_heads * head_dim; }
+  int64_t kv_dim() const { return n_kv_heads * head_dim; }
+};
+
+// Activations of the attention mixers of one model, shared by its layers, sized at load.
+struct AttentionWorkspace {
+  BackendBuffer q, k, v;        // [rows, q_dim | kv_dim] act
+  BackendBuffer q16, k16, v16;  // [rows, q_dim | kv_dim] FP16 bits
+  BackendBuffer attn;           // [rows, q_dim] fp32
+  BackendBuffer attn_act;       // [rows, q_dim] act (only when act is not fp32)
+
+  static Result<AttentionWorkspace> create(Backend& backend, const AttentionShape& shape,
+                                           int64_t max_rows);
+};
+
+class AttentionMixer {
+ public:
+  // prefix: the module's weight names up to the projection ("model.layers.3.self_attn.").
+  static Result<AttentionMixer> load(WeightLoader& weights, const std::string& prefix,
+                                     const AttentionShape& shape);
+
+  // out = the mixer of x for every row of the step. x, out: [ctx.n_rows(), hidden] act;
+  // non_finite: the cache write's [2] counters.
+  Status forward(Backend& backend, const StepContext& ctx, const KvCacheView& cache, const void* x,
+                 void* out, AttentionWorkspace& ws, unsigned long long* non_finite) const;
+
+  const AttentionShape& shape() const { return shape_; }
+
+ private:
+  AttentionShape shape_;
+  BackendBuffer q_, k_, v_, o_;
+  BackendBuffer q_bias_, k_bias_, v_bias_, o_bias_;  // empty when absent
+  BackendBuffer q_norm_, k_norm_;                    // empty when absent
+};
+
+}  // namespace e4kv

@@ -1,0 +1,39 @@
+#include "model/layers/mlp.h"
+
+#include <algorithm>
+
+namespace e4kv {
+
+Result<MlpWorkspace> MlpWorkspace::create(Backend& backend, int64_t intermediate,
+                                          int64_t max_rows) {
+  MlpWorkspace ws;
+  const size_t bytes = std::max<size_t>(64, size_t(max_rows * intermediate) * backend.act_size());
+  E4KV_ASSIGN_OR_RETURN(ws.gate, backend.allocate(bytes));
+  E4KV_ASSIGN_OR_RETURN(ws.up, backend.allocate(bytes));
+  return ws;
+}
+
+Result<DenseMlp> DenseMlp::load(WeightLoader& weights, const std::string& p, int64_t hidden,
+                                int64_t intermediate) {
+  DenseMlp m;
+  m.hidden_ = hidden;
+  m.intermediate_ = intermediate;
+  E4KV_ASSIGN_OR_RETURN(m.gate_, weights.load(p + "gate_proj.weight", {intermediate, hidden},
+                                              "[intermediate_size, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.up_, weights.load(p + "up_proj.weight", {intermediate, hidden},
+                                            "[intermediate_size, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.down_, weights.load(p + "down_proj.weight", {hidden, intermediate},
+                                              "[hidden_size, intermediate_size]"));
+  return m;
+}
+
+Status DenseMlp::forward(Backend& b, int64_t n, const void* x, void* out, MlpWorkspace& ws) const {
+  const DType act = b.act_dtype();
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, gate_.data(), nullptr, n, hidden_, intermediate_, ws.gate.data(), act));
+  E4KV_RETURN_IF_ERROR(b.linear(x, up_.data(), nullptr, n, hidden_, intermediate_, ws.up.data(), act));
+  E4KV_RETURN_IF_ERROR(b.silu_mul(ws.gate.data(), ws.up.data(), ws.gate.data(), n * intermediate_));
+  return b.linear(ws.gate.data(), down_.data(), nullptr, n, intermediate_, hidden_, out, act);
+}
+
+}  // namespace e4kv

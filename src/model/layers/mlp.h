@@ -1,0 +1,36 @@
+// The SiLU-gated MLP ffn: out = (silu(x Wg^T) * (x Wu^T)) Wd^T, x: [n_rows, hidden] act (normed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/weights.h"
+
+namespace e4kv {
+
+// Activations of the MLPs of one model, shared by its layers, sized at load.
+struct MlpWorkspace {
+  BackendBuffer gate, up;  // [rows, intermediate] act
+
+  static Result<MlpWorkspace> create(Backend& backend, int64_t intermediate, int64_t max_rows);
+};
+
+class DenseMlp {
+ public:
+  // prefix: the module's weight names ("model.layers.3.mlp.").
+  static Result<DenseMlp> load(WeightLoader& weights, const std::string& prefix, int64_t hidden,
+                               int64_t intermediate);
+
+  // x, out: [n_rows, hidden] act.
+  Status forward(Backend& backend, int64_t n_rows, const void* x, void* out,
+                 MlpWorkspace& ws) const;
+
+ private:
+  int64_t hidden_ = 0;
+  int64_t intermediate_ = 0;
+  BackendBuffer gate_, up_, down_;  // [inter, hidden] x2, [hidden, inter]
+};
+
+}  // namespace e4kv

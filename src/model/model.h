@@ -1,0 +1,105 @@
+// The model interface the engine runs on, whatever the family: load a checkpoint onto a Backend,
+// forward a batch of any mix of prefill chunks and decode rows of several sequences, and say what
+// memory a token and a sequence take. A family is a weight-name map and a composition of shared
+// layers (model/layers/): today the dense decoders (model/dense_model.h); Qwen4Exp's QSA,
+// GatedDeltaNet, MoE and hyper-connection layers join the same interface.
+//
+// Memory kinds a layer may own:
+//   paged KV       per token, in blocks shared by all sequences (the block tables of ForwardBatch)
+//   indexer rows   per token / compress ratio, paged with the main block table (QSA layers)
+//   per sequence   a fixed size per sequence: recurrent and conv states, the indexer's raw ring,
+//                  PLE history (allocated from the model's pools by sequence slot)
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "io/checkpoint.h"
+#include "kv/block_allocator.h"
+#include "kv/scale_gate.h"
+
+namespace e4kv {
+
+struct ModelOptions {
+  KvCacheDtype kv_cache_dtype = KvCacheDtype::kF16;
+  KvScalesMode kv_scales_mode = KvScalesMode::kCalibrated;
+  int64_t block_size = 64;  // tokens per cache block, a multiple of 16
+  int64_t n_blocks = 0;     // cache blocks shared by all sequences (> 0)
+  // Longest sequence (positions 0..max_model_len-1); 0: the config's max_position_embeddings.
+  int64_t max_model_len = 0;
+  // The most rows one forward takes (vLLM's max_num_batched_tokens); 0: min(max_model_len, 8192).
+  // Every workspace is sized from these limits at load: a forward never allocates.
+  int64_t max_batch_tokens = 0;
+  // The most sequences one forward takes; 0: 64 (capped at max_batch_tokens).
+  int64_t max_seqs = 0;
+  // The most rows one forward returns logits for; 0: max_seqs (the last row of each sequence).
+  int64_t max_logit_rows = 0;
+};
+
+// The limits a loaded model was sized for (ModelOptions with the defaults filled in).
+struct ModelLimits {
+  int64_t max_model_len = 0;
+  int64_t max_batch_tokens = 0;
+  int64_t max_seqs = 0;
+  int64_t max_logit_rows = 0;
+  int64_t max_blocks_per_seq = 0;  // ceil(max_model_len / block_size)
+};
+
+// Fills the defaults of `options` for a model whose config allows `max_position_embeddings`
+// positions; errors name the option that is out of range.
+Result<ModelLimits> model_limits(const ModelOptions& options, int64_t max_position_embeddings,
+                                 const std::string& config_path);
+
+// One forward: rows of tokens, any mix of prefill chunks and decode rows of several sequences.
+// Row r is token token_ids[r] of sequence row_seq[r] at position row_pos[r]. Sequence s has
+// block table *seqs[s] whose n_tokens is its length after this forward (positions already in
+// the cache plus the rows of this batch); every position 0..row_pos[r] must be in the cache before
+// the forward or among its rows (the caller's bookkeeping; not checked). Logits are returned for
+// the rows in logit_rows, in that order.
+struct ForwardBatch {
+  std::span<const int32_t> token_ids;  // [n_rows]
+  std::span<const int32_t> row_seq;    // [n_rows] index into seqs
+  std::span<const int32_t> row_pos;    // [n_rows]
+  std::vector<const BlockTable*> seqs;
+  std::span<const int32_t> logit_rows;  // [n_logits] row indices
+};
+
+// What the model's memory kinds take: paged memory per token (every layer's KV and indexer rows)
+// and fixed memory per sequence (states, rings). Capacity planning divides free memory by these.
+struct ModelMemory {
+  int64_t bytes_per_token = 0;
+  int64_t bytes_per_sequence = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const ModelLimits& limits() const = 0;
+  virtual const KvScales& kv_scales() const = 0;
+  virtual KvCacheDtype kv_cache_dtype() const = 0;
+  virtual int64_t block_size() const = 0;
+  virtual int64_t n_blocks() const = 0;
+  virtual ModelMemory memory() const = 0;
+  virtual Backend& backend() const = 0;
+
+  int64_t vocab_size() const { return config().vocab_size; }
+  int64_t max_model_len() const { return limits().max_model_len; }
+
+  // Runs the batch; returns logits [logit_rows.size(), vocab_size] fp32, row-major. Errors: bad
+  // batch metadata (ids out of range, positions beyond the block table or max_model_len, more
+  // rows, sequences or logit rows than the limits), non-finite K/V values reaching the cache, a
+  // backend op refusing a shape.
+  virtual Result<std::vector<float>> forward(const ForwardBatch& batch) = 0;
+};
+
+// Loads the family `ckpt` holds. Errors name the architecture when no family runs it.
+Result<std::unique_ptr<Model>> load_model(const Checkpoint& ckpt, Backend& backend,
+                                          const ModelOptions& options);
+
+}  // namespace e4kv

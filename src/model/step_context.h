@@ -1,0 +1,70 @@
+// The per-step metadata of one forward, built once on the host and uploaded once, shared by every
+// layer: the rows (ids, sequences, positions), each row's cache slot, the sequences' lengths and
+// block tables, the RoPE cos/sin of each row, and the host copy of the rows the backend plans
+// attention launches from. Its device buffers are sized at load from the model's limits, so a
+// forward never allocates.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "kv/block_allocator.h"
+#include "kv/kv_cache_view.h"
+#include "model/model.h"
+#include "model/rope.h"
+
+namespace e4kv {
+
+class StepContext {
+ public:
+  // Allocates the device buffers for `limits` (rotary_dim: the RoPE table's width, 0 for none).
+  static Result<StepContext> create(Backend& backend, const ModelLimits& limits,
+                                    int64_t rotary_dim);
+
+  // Checks `batch` against the limits, the vocabulary, the cache (block ids below n_blocks,
+  // tokens within the blocks and max_model_len) and itself (rows name their sequences, positions
+  // inside them, logit rows inside the batch); then builds the metadata and uploads it (ordered
+  // with the backend's ops). Errors name the row, sequence or limit.
+  Status build(const ForwardBatch& batch, const RopeTable* rope, int64_t vocab_size,
+               int64_t block_size, int64_t n_blocks);
+
+  int64_t n_rows() const { return n_rows_; }
+  int64_t n_seqs() const { return n_seqs_; }
+  int64_t n_logits() const { return n_logits_; }
+
+  // Device pointers.
+  const int32_t* ids() const { return ids_.as<int32_t>(); }
+  const int64_t* slots() const { return slots_.as<int64_t>(); }
+  const float* cos() const { return cos_.as<float>(); }
+  const float* sin() const { return sin_.as<float>(); }
+  const int32_t* logit_rows() const { return logit_rows_.as<int32_t>(); }
+  // Rows and block tables for attention (row_seq, row_pos, seq_lens; no selection).
+  QueryBatchView rows() const;
+  BlockTableView block_table() const;
+  // The same rows with host pointers, for the backend's launch planning.
+  const QueryBatchView& host_rows() const { return host_rows_; }
+
+ private:
+  StepContext() = default;
+
+  Backend* backend_ = nullptr;
+  ModelLimits limits_;
+  int64_t rotary_dim_ = 0;
+  int64_t n_rows_ = 0;
+  int64_t n_seqs_ = 0;
+  int64_t n_logits_ = 0;
+  int64_t max_blocks_ = 0;  // block-table row stride of this step
+
+  // Host copies (the backend may read the uploads asynchronously: these stay alive until the next
+  // build, which comes after the previous forward has synchronised).
+  std::vector<int32_t> row_seq_host_, row_pos_host_, seq_lens_host_, table_host_;
+  std::vector<int64_t> slots_host_;
+  std::vector<float> cos_host_, sin_host_;
+  QueryBatchView host_rows_;
+
+  BackendBuffer ids_, row_seq_, row_pos_, slots_, cos_, sin_, logit_rows_, seq_lens_, table_;
+};
+
+}  // namespace e4kv
