@@ -660,7 +660,7 @@ TEST(QsaIndexerCuda, LaunchersRejectBadShapes) {
   ta.rows.row_seq = ta.rows.row_pos = ta.rows.seq_lens = &host_int;
   ta.sel_tokens = ta.sel_counts = &host_int;
   ta.scores = &host_score;
-  ta.max_groups = qsa_top_k_filtered_max_groups() + 1;
+  ta.max_groups = kQsaTopKFilteredMaxGroups + 1;
   ta.method = QsaTopKMethod::kFiltered;
   EXPECT_FALSE(qsa_top_k_select(ta, nullptr).ok());  // rows beyond the filtered limit
   ta.method = QsaTopKMethod::kCluster;
