@@ -278,7 +278,12 @@ Result<LayerKind> parse_layer_type(const std::string& name, bool qwen4exp) {
   if (name == "full_attention") {
     return qwen4exp ? LayerKind::kQsaAttention : LayerKind::kFullAttention;
   }
-  if (name == "qwen_sparse_attention") return LayerKind::kQsaAttention;
+  // The spellings Qwen4Exp releases use for the sparse layers (hybrid_indexed: one that also
+  // carries PLE, which ple_layer_ids says).
+  if (name == "qwen_sparse_attention" || name == "deepseek_sparse_attention" ||
+      name == "hybrid_indexed") {
+    return LayerKind::kQsaAttention;
+  }
   if (name == "sliding_attention") return LayerKind::kSlidingAttention;
   if (name == "linear_attention") return LayerKind::kLinearAttention;
   return Status::error("unknown");
@@ -395,6 +400,101 @@ Status read_qsa(const Fields& text, ModelConfig& config) {
   return ok_status();
 }
 
+// The Qwen4Exp family's own fields, with transformers' defaults and checks.
+Status read_qwen4exp(const Fields& text, const Fields& top, ModelConfig& config) {
+  Qwen4ExpConfig q;
+  q.ple_embed_dim = config.hidden_size;
+  struct Positive {
+    const char* key;
+    int64_t* out;
+  };
+  for (const Positive& field : {
+           Positive{"hc_count", &q.hc_count},
+           Positive{"hc_lowrank", &q.hc_lowrank},
+           Positive{"linear_conv_kernel_dim", &q.linear_conv_kernel_dim},
+           Positive{"linear_key_head_dim", &q.linear_key_head_dim},
+           Positive{"linear_value_head_dim", &q.linear_value_head_dim},
+           Positive{"linear_num_key_heads", &q.linear_num_key_heads},
+           Positive{"linear_num_value_heads", &q.linear_num_value_heads},
+           Positive{"num_experts", &q.num_experts},
+           Positive{"num_experts_per_tok", &q.num_experts_per_tok},
+           Positive{"moe_intermediate_size", &q.moe_intermediate_size},
+           Positive{"shared_expert_intermediate_size", &q.shared_expert_intermediate_size},
+           Positive{"ple_embed_dim", &q.ple_embed_dim},
+           Positive{"ple_conv_kernel_size", &q.ple_conv_kernel_size},
+           Positive{"ngram_size", &q.ngram_size},
+           Positive{"heads_per_ngram", &q.heads_per_ngram},
+           Positive{"ngram_vocab_size_base", &q.ngram_vocab_size_base},
+           Positive{"make_ngram_vocab_size_divisible_by", &q.make_ngram_vocab_size_divisible_by},
+           Positive{"split_ngram_parts", &q.split_ngram_parts},
+       }) {
+    E4KV_ASSIGN_OR_RETURN(std::optional<int64_t> value, text.opt_positive(field.key));
+    if (value) *field.out = *value;
+  }
+  E4KV_ASSIGN_OR_RETURN(std::optional<int64_t> seed, text.opt_int("seed"));
+  if (seed) q.seed = *seed;
+  E4KV_ASSIGN_OR_RETURN(std::optional<bool> norm_topk, text.opt_bool("norm_topk_prob"));
+  if (norm_topk) q.norm_topk_prob = *norm_topk;
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> act, text.opt_string("hidden_act"));
+  if (act) q.hidden_act = *act;
+  if (q.hidden_act != "silu") {
+    return text.error("hidden_act", cat("is \"", q.hidden_act,
+                                        "\"; the Qwen4Exp experts are SiLU-gated (\"silu\")"));
+  }
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> gate, text.opt_string("output_gate_type"));
+  q.output_gate_type = gate.value_or(q.hidden_act);
+  if (q.output_gate_type != "silu" && q.output_gate_type != "sigmoid") {
+    return text.error("output_gate_type",
+                      cat("must be \"silu\" or \"sigmoid\", got \"", q.output_gate_type, "\""));
+  }
+  if (q.hc_count <= 1) {
+    return text.error("hc_count", cat("must be greater than 1 (hyper-connection streams), got ",
+                                      q.hc_count));
+  }
+  if (q.num_experts_per_tok > q.num_experts) {
+    return text.error("num_experts_per_tok", cat("(", q.num_experts_per_tok, ") must not exceed \"",
+                                                 text.path("num_experts"), "\" (", q.num_experts,
+                                                 ")"));
+  }
+  if (q.linear_num_value_heads % q.linear_num_key_heads != 0) {
+    return text.error("linear_num_value_heads",
+                      cat("(", q.linear_num_value_heads, ") must be a multiple of \"",
+                          text.path("linear_num_key_heads"), "\" (", q.linear_num_key_heads,
+                          ")"));
+  }
+  if (const json* ids = text.get("ple_layer_ids")) {
+    if (!ids->is_array()) return text.bad_value("ple_layer_ids", "a list of layer numbers", *ids);
+    for (const json& id : *ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 1 ||
+          id.get<int64_t>() > config.n_layers) {
+        return text.error("ple_layer_ids", cat("must hold one-based layer numbers in [1, ",
+                                               config.n_layers, "], got ", describe(id)));
+      }
+      q.ple_layers.push_back(id.get<int64_t>() - 1);
+    }
+    std::sort(q.ple_layers.begin(), q.ple_layers.end());
+    q.ple_layers.erase(std::unique(q.ple_layers.begin(), q.ple_layers.end()), q.ple_layers.end());
+  }
+  if (!q.ple_layers.empty()) {
+    const int64_t ngram_heads = (q.ngram_size - 1) * q.heads_per_ngram;
+    if (ngram_heads <= 0 || q.ple_embed_dim % ngram_heads != 0) {
+      return text.error("ple_embed_dim",
+                        cat("(", q.ple_embed_dim, ") must be a multiple of (ngram_size - 1) x "
+                            "heads_per_ngram = ", ngram_heads));
+    }
+    const json* eos = text.has("eos_token_id") ? text.get("eos_token_id") : top.get("eos_token_id");
+    if (eos != nullptr && eos->is_array() && !eos->empty()) eos = &(*eos)[0];
+    if (eos == nullptr || !eos->is_number_integer() || eos->get<int64_t>() < 0) {
+      return text.error("eos_token_id",
+                        "must be set (a token id) when ple_layer_ids enables PLE layers: the "
+                        "n-gram history starts from it");
+    }
+    q.eos_token_id = eos->get<int64_t>();
+  }
+  config.qwen4exp = q;
+  return ok_status();
+}
+
 Result<ModelConfig> parse_config_object(const json& root, const std::string& source) {
   if (!root.is_object()) {
     return Status::error(
@@ -499,6 +599,7 @@ Result<ModelConfig> parse_config_object(const json& root, const std::string& sou
   if (config.count_layers(LayerKind::kQsaAttention) > 0) {
     E4KV_RETURN_IF_ERROR(read_qsa(text, config));
   }
+  if (qwen4exp) E4KV_RETURN_IF_ERROR(read_qwen4exp(text, top, config));
   if (config.count_layers(LayerKind::kSlidingAttention) > 0 && !config.sliding_window) {
     return text.error("sliding_window",
                       "is required when layer_types has sliding_attention layers");
@@ -527,6 +628,10 @@ int64_t ModelConfig::count_layers(LayerKind kind) const {
   int64_t count = 0;
   for (LayerKind layer : layers) count += layer == kind ? 1 : 0;
   return count;
+}
+
+bool Qwen4ExpConfig::has_ple(int64_t layer) const {
+  return std::binary_search(ple_layers.begin(), ple_layers.end(), layer);
 }
 
 std::vector<int64_t> ModelConfig::kv_cache_layers() const {

@@ -54,6 +54,41 @@ struct QsaConfig {
   int64_t topk_groups() const { return ratio > 0 ? budget / ratio : 0; }
 };
 
+// The Qwen4Exp family's own fields (transformers' Qwen4ExpTextConfig), with the defaults its class
+// declares (docs/qwen4exp_reference.md section 1).
+struct Qwen4ExpConfig {
+  std::string hidden_act = "silu";
+  std::string output_gate_type = "silu";  // the DeltaNet output gate: "silu" or "sigmoid"
+  // Hyper-connections: hc_count residual streams, a mixer of rank hc_lowrank.
+  int64_t hc_count = 4;
+  int64_t hc_lowrank = 320;
+  // GatedDeltaNet (linear_attention layers).
+  int64_t linear_conv_kernel_dim = 4;
+  int64_t linear_key_head_dim = 128;
+  int64_t linear_value_head_dim = 128;
+  int64_t linear_num_key_heads = 16;
+  int64_t linear_num_value_heads = 32;  // a multiple of linear_num_key_heads
+  // MoE (every layer's ffn): num_experts_per_tok of num_experts, plus a gated shared expert.
+  int64_t num_experts = 512;
+  int64_t num_experts_per_tok = 10;
+  int64_t moe_intermediate_size = 512;
+  int64_t shared_expert_intermediate_size = 512;
+  bool norm_topk_prob = true;
+  // PLE (hashed n-gram embeddings) on the layers in ple_layers.
+  std::vector<int64_t> ple_layers;  // zero-based, increasing (config: one-based ple_layer_ids)
+  int64_t ple_embed_dim = 0;        // default hidden_size
+  int64_t ple_conv_kernel_size = 4;
+  int64_t ngram_size = 3;
+  int64_t heads_per_ngram = 8;
+  int64_t ngram_vocab_size_base = 20000000;
+  int64_t make_ngram_vocab_size_divisible_by = 128;
+  int64_t seed = 1234;
+  int64_t split_ngram_parts = 512;
+  std::optional<int64_t> eos_token_id;  // the first when config.json gives a list
+
+  bool has_ple(int64_t layer) const;
+};
+
 struct ModelConfig {
   std::string architecture;         // first entry of "architectures" (may be empty)
   std::string model_type;           // of the text model when the config nests one
@@ -76,6 +111,7 @@ struct ModelConfig {
 
   RopeConfig rope;
   std::optional<QsaConfig> qsa;   // present when the model has QSA layers
+  std::optional<Qwen4ExpConfig> qwen4exp;  // present for the Qwen4Exp family
   std::vector<LayerKind> layers;  // size n_layers
 
   int64_t count_layers(LayerKind kind) const;
@@ -102,7 +138,12 @@ struct ModelConfig {
 //   active (sliding_window set and use_sliding_window not false: layers from max_window_layers on
 //   when given, else all, as transformers v4 Qwen2 / Mistral do), else full attention.
 // - For the Qwen4Exp family (model_type qwen4_exp*, outer or text), full-attention layers are QSA
-//   layers. With any QSA layer the five indexer_* fields are required: positive, indexer_kv_heads
+//   layers, as are the spellings releases use for them (qwen_sparse_attention,
+//   deepseek_sparse_attention, hybrid_indexed); its own fields fill `qwen4exp` and are checked as
+//   transformers checks them (hc_count > 1, 0 < num_experts_per_tok <= num_experts, positive MoE
+//   sizes, output gate silu or sigmoid, PLE ids in [1, num_hidden_layers], ple_embed_dim a
+//   multiple of (ngram_size - 1) * heads_per_ngram, eos_token_id set when PLE is on), plus
+//   linear_num_value_heads a multiple of linear_num_key_heads. With any QSA layer the five indexer_* fields are required: positive, indexer_kv_heads
 //   == 1, budget % compress_ratio == 0, rotary_dim <= indexer_head_dim; one error lists every
 //   missing or bad field.
 Result<ModelConfig> parse_model_config(std::string_view json_text, const std::string& source);

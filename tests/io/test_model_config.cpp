@@ -1,5 +1,6 @@
 #include "io/model_config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -428,6 +429,103 @@ TEST(ModelConfig, Qwen4ExpQsaComplete) {
   EXPECT_EQ(result->qsa->budget, 2048);
 }
 
+TEST(ModelConfig, Qwen4ExpFamilyFieldsAndTheirDefaults) {
+  // Absent fields take the defaults of transformers' Qwen4ExpTextConfig.
+  Result<ModelConfig> defaults = parse(qwen4exp_text_config());
+  ASSERT_TRUE(defaults.ok()) << defaults.message();
+  ASSERT_TRUE(defaults->qwen4exp.has_value());
+  const Qwen4ExpConfig& d = *defaults->qwen4exp;
+  EXPECT_EQ(d.hc_count, 4);
+  EXPECT_EQ(d.hc_lowrank, 320);
+  EXPECT_EQ(d.linear_num_key_heads, 16);
+  EXPECT_EQ(d.linear_num_value_heads, 32);
+  EXPECT_EQ(d.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(d.num_experts, 512);
+  EXPECT_EQ(d.num_experts_per_tok, 10);
+  EXPECT_TRUE(d.norm_topk_prob);
+  EXPECT_EQ(d.output_gate_type, "silu");
+  EXPECT_TRUE(d.ple_layers.empty());
+  EXPECT_EQ(d.ple_embed_dim, 2048);  // hidden_size
+  EXPECT_FALSE(d.eos_token_id.has_value());
+
+  json config = qwen4exp_text_config();
+  config["hc_count"] = 2;
+  config["hc_lowrank"] = 16;
+  config["linear_num_key_heads"] = 2;
+  config["linear_num_value_heads"] = 4;
+  config["num_experts"] = 8;
+  config["num_experts_per_tok"] = 1;
+  config["norm_topk_prob"] = false;
+  config["output_gate_type"] = "sigmoid";
+  config["ple_layer_ids"] = json::array({3, 1, 3});  // one-based, unsorted, repeated
+  config["ple_embed_dim"] = 64;
+  config["heads_per_ngram"] = 4;
+  config["eos_token_id"] = json::array({7, 9});
+  Result<ModelConfig> result = parse(config);
+  ASSERT_TRUE(result.ok()) << result.message();
+  const Qwen4ExpConfig& q = *result->qwen4exp;
+  EXPECT_EQ(q.hc_count, 2);
+  EXPECT_EQ(q.num_experts_per_tok, 1);
+  EXPECT_FALSE(q.norm_topk_prob);
+  EXPECT_EQ(q.output_gate_type, "sigmoid");
+  EXPECT_EQ(q.ple_layers, (std::vector<int64_t>{0, 2}));
+  EXPECT_TRUE(q.has_ple(2));
+  EXPECT_FALSE(q.has_ple(1));
+  EXPECT_EQ(q.eos_token_id, 7);
+  // Other spellings of the sparse layers.
+  config["layer_types"] = {"linear_attention",          "linear_attention", "linear_attention",
+                           "deepseek_sparse_attention", "linear_attention", "linear_attention",
+                           "linear_attention",          "hybrid_indexed"};
+  result = parse(config);
+  ASSERT_TRUE(result.ok()) << result.message();
+  EXPECT_EQ(result->count_layers(LayerKind::kQsaAttention), 2);
+  // A dense family has none of this.
+  EXPECT_FALSE(parse(json::parse(R"({"model_type": "llama", "hidden_size": 64,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10})"))
+                   ->qwen4exp);
+}
+
+TEST(ModelConfig, Qwen4ExpFamilyFieldsCheckedAsTransformersDoes) {
+  auto with = [](const char* key, json value) {
+    json config = qwen4exp_text_config();
+    config[key] = std::move(value);
+    return config;
+  };
+  EXPECT_NE(error_of(with("hc_count", 1)).find("\"hc_count\" must be greater than 1"),
+            std::string::npos);
+  json experts = with("num_experts", 4);
+  experts["num_experts_per_tok"] = 5;
+  EXPECT_NE(error_of(experts).find("\"num_experts_per_tok\" (5) must not exceed"),
+            std::string::npos);
+  EXPECT_NE(error_of(with("moe_intermediate_size", 0)).find("moe_intermediate_size"),
+            std::string::npos);
+  EXPECT_NE(error_of(with("output_gate_type", "gelu")).find("\"silu\" or \"sigmoid\""),
+            std::string::npos);
+  EXPECT_NE(error_of(with("hidden_act", "gelu")).find("SiLU"), std::string::npos);
+  EXPECT_NE(error_of(with("linear_num_value_heads", 24)).find("multiple of"), std::string::npos);
+  EXPECT_NE(
+      error_of(with("ple_layer_ids", json::array({0}))).find("one-based layer numbers in [1, 8]"),
+      std::string::npos);
+  EXPECT_NE(error_of(with("ple_layer_ids", json::array({9}))).find("in [1, 8]"), std::string::npos);
+  // PLE needs an eos_token_id and a width divisible by the n-gram heads (2 x 8 = 16).
+  EXPECT_NE(error_of(with("ple_layer_ids", json::array({1}))).find("eos_token_id"),
+            std::string::npos);
+  json width = with("ple_layer_ids", json::array({1}));
+  width["eos_token_id"] = 2;
+  width["ple_embed_dim"] = 40;
+  EXPECT_NE(error_of(width).find("multiple of (ngram_size - 1) x heads_per_ngram = 16"),
+            std::string::npos);
+  width["ple_embed_dim"] = 48;
+  EXPECT_TRUE(parse(width).ok());
+  // A multimodal config may keep eos_token_id at the top level only.
+  json outer = {{"model_type", "qwen4_exp"},
+                {"eos_token_id", 5},
+                {"text_config", with("ple_layer_ids", json::array({2}))}};
+  Result<ModelConfig> nested = parse(outer);
+  ASSERT_TRUE(nested.ok()) << nested.message();
+  EXPECT_EQ(nested->qwen4exp->eos_token_id, 5);
+}
+
 TEST(ModelConfig, Qwen4ExpQsaMissingAndBadFieldsInOneError) {
   json config = qwen4exp_text_config();
   config.erase("indexer_n_heads");
@@ -627,6 +725,45 @@ TEST(ModelConfig, LoadFromDirectory) {
   ASSERT_TRUE(loaded.ok()) << loaded.message();
   EXPECT_EQ(loaded->n_layers, 32);
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace e4kv
+
+namespace e4kv {
+namespace {
+
+// Every config.json transformers 5.17 wrote for the Qwen4Exp references (both layouts, the
+// full_attention spelling, eos lists, PLE on and off) parses to what it says.
+TEST(ModelConfig, ReadsTheTransformersQwen4ExpReferences) {
+  const std::filesystem::path root =
+      std::filesystem::path(E4KV_SOURCE_DIR) / "tests/data/hf_qwen4exp";
+  int cases = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(root)) {
+    const std::filesystem::path path = entry.path() / "config.json";
+    if (!std::filesystem::exists(path)) continue;
+    ++cases;
+    SCOPED_TRACE(path.string());
+    std::ifstream in(path);
+    const json raw = json::parse(in);
+    const json& text = raw.contains("text_config") ? raw["text_config"] : raw;
+    Result<ModelConfig> config = load_model_config(entry.path());
+    ASSERT_TRUE(config.ok()) << config.message();
+    ASSERT_TRUE(config->qwen4exp.has_value());
+    ASSERT_TRUE(config->qsa.has_value());
+    EXPECT_EQ(config->nested_text_config, raw.contains("text_config"));
+    int64_t linear = 0;
+    for (const json& type : text["layer_types"]) linear += type == "linear_attention" ? 1 : 0;
+    EXPECT_EQ(config->count_layers(LayerKind::kLinearAttention), linear);
+    EXPECT_EQ(config->count_layers(LayerKind::kQsaAttention), config->n_layers - linear);
+    EXPECT_EQ(config->qwen4exp->hc_count, text["hc_count"].get<int64_t>());
+    EXPECT_EQ(config->qwen4exp->num_experts, text["num_experts"].get<int64_t>());
+    EXPECT_EQ(config->qwen4exp->num_experts_per_tok, text["num_experts_per_tok"].get<int64_t>());
+    EXPECT_EQ(config->qsa->budget, text["indexer_budget"].get<int64_t>());
+    EXPECT_EQ(config->qsa->ratio, text["indexer_compress_ratio"].get<int64_t>());
+    EXPECT_EQ(config->qwen4exp->ple_layers.size(), text["ple_layer_ids"].size());
+  }
+  EXPECT_GE(cases, 6);
 }
 
 }  // namespace
