@@ -26,10 +26,26 @@
 #include "core/status.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache_view.h"
+#include "qsa/indexer_cache.h"
+#include "qsa/selection.h"
 
 namespace e4kv {
 
 class Backend;
+
+// The rows of each sequence in one forward, for ops that carry per-sequence state (conv windows,
+// recurrent states, indexer rings). Rows of sequence s are [row_begin[s], row_begin[s + 1]) at
+// consecutive positions from start_pos[s]; state_slot[s] is its slot in the state pools. Device
+// pointers, with the same arrays on the host (host_*) for launch planning.
+struct SequenceRowsView {
+  int64_t n_seqs = 0;
+  const int32_t* row_begin = nullptr;   // [n_seqs + 1]
+  const int32_t* state_slot = nullptr;  // [n_seqs]
+  const int64_t* start_pos = nullptr;   // [n_seqs]
+  const int32_t* host_row_begin = nullptr;
+  const int32_t* host_state_slot = nullptr;
+  const int64_t* host_start_pos = nullptr;
+};
 
 // An allocation in a backend's memory, freed through that backend. Move-only.
 class BackendBuffer {
@@ -151,6 +167,91 @@ class Backend {
   // (routes, split-K) on the host without reading backend memory.
   virtual Status paged_attention(const PagedAttentionParams& params,
                                  const QueryBatchView& host_rows) = 0;
+
+  // ---- hybrid-model ops (Qwen4Exp: hyper-connections, GatedDeltaNet, QSA indexer, MoE, PLE) ----
+  // A backend without them returns false here and an error from each; the model refuses to load
+  // on it with a message naming the backend.
+  virtual bool has_hybrid_ops() const { return false; }
+
+  // Grouped RMSNorm: x [n_rows, n_groups, dim] act, each group row normalised over its dim,
+  // gain weight[g * dim + i] (kWeight) or 1 + weight[...] (kOnePlusWeight); weight: [n_groups *
+  // dim] act; out may alias x. n_groups = 1 is rms_norm.
+  virtual Status rms_norm_grouped(const void* x, const void* weight, int64_t n_rows,
+                                  int64_t n_groups, int64_t dim, float eps, RmsNormForm form,
+                                  void* out);
+  // out[i] = silu(x[i] * scale). x, out: [n] act (may alias).
+  virtual Status silu_scaled(const void* x, int64_t n, float scale, void* out);
+  // Hyper-connection input mixer: mix[r] = mean over streams s of sigmoid(up[r, s]) * xn[r, s].
+  // up, xn: [n_rows, n_streams, hidden] act; mix: [n_rows, hidden] act
+  virtual Status hc_mix(const void* up, const void* xn, int64_t n_rows, int64_t n_streams,
+                        int64_t hidden, void* mix);
+  // Injection: x[r, s] += 2 * sigmoid(inj[r, s] / n_streams) * y[r].
+  // x: [n_rows, n_streams, hidden] act; y: [n_rows, hidden] act; inj: [n_rows, n_streams] act
+  virtual Status hc_inject(void* x, const void* y, const void* inj, int64_t n_rows,
+                           int64_t n_streams, int64_t hidden);
+  // x[r, s] = e[r] for every stream. e: [n_rows, hidden] act; x: [n_rows, n_streams, hidden] act
+  virtual Status hc_expand(const void* e, int64_t n_rows, int64_t n_streams, int64_t hidden,
+                           void* x);
+
+  // Depthwise causal conv (kernel taps `dilation` apart) + SiLU over each sequence's rows,
+  // carrying the last (kernel - 1) * dilation inputs of each sequence in its state slot.
+  // x, out: [n_rows, channels] act (no alias); weight: [channels, kernel] act;
+  // states: [n_slots, (kernel - 1) * dilation, channels] act, oldest input first
+  virtual Status conv1d_silu(const void* x, int64_t channels, const void* weight, int64_t kernel,
+                             int64_t dilation, void* states, const SequenceRowsView& seqs,
+                             void* out);
+  // GatedDeltaNet gates (backend/cpu/gated_delta_net.h): g = -exp(a_log) softplus(a + dt_bias),
+  // beta = sigmoid(b). a, b: [n_rows, n_heads] act; a_log, dt_bias: [n_heads] act;
+  // g, beta: [n_rows, n_heads] fp32
+  virtual Status gated_delta_gates(const void* a, const void* b, const void* a_log,
+                                   const void* dt_bias, int64_t n_rows, int64_t n_heads, float* g,
+                                   float* beta);
+  // The gated delta rule over each sequence's rows (recurrent for one row, chunked otherwise),
+  // q/k l2-normalised inside. qkv: [n_rows, 2 * n_k_heads * head_k_dim + n_v_heads * head_v_dim]
+  // act, q | k | v contiguous in each row (the conv output); g, beta: [n_rows, n_v_heads] fp32;
+  // states: [n_slots, n_v_heads, head_k_dim, head_v_dim] fp32; out: [n_rows, n_v_heads,
+  // head_v_dim] act
+  virtual Status gated_delta_rule(const void* qkv, const float* g, const float* beta,
+                                  int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
+                                  int64_t head_v_dim, float* states, const SequenceRowsView& seqs,
+                                  void* out);
+  // out = rnd(w * (x / rms(x))) * act(z) per row (Qwen4Exp's gated RMSNorm, plain weight).
+  // x, z, out: [n_rows, dim] act (out may alias); weight: [dim] act
+  virtual Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
+                                int64_t dim, float eps, bool sigmoid_gate, void* out);
+
+  // QSA indexer write (qsa/indexer_cache.h): pushes each sequence's raw index keys through its
+  // ring and writes the compressed row of every group that completes.
+  // index_k: [n_rows, index_dim] FP16 bits; seqs: the rows of each sequence (state slot = ring)
+  virtual Status qsa_indexer_write(const IndexerCompressedView& compressed,
+                                   const IndexerRingView& rings, const uint16_t* index_k,
+                                   const SequenceRowsView& seqs, const BlockTableView& block_table,
+                                   const IndexerKeyNormRope& norm_rope);
+  // QSA selection of every row (qsa/selection.h): sel_tokens [n_rows, budget + ratio - 1],
+  // sel_counts [n_rows]. index_q: [n_rows, n_index_heads, index_dim] FP16 bits.
+  virtual Status qsa_select(const QsaSelectionConfig& config,
+                            const IndexerCompressedView& compressed,
+                            const BlockTableView& block_table, const QueryBatchView& rows,
+                            const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts);
+
+  // MoE router (backend/cpu/moe.h): softmax over n_experts, top_k (ties: lower id), optional
+  // renormalisation. logits: [n_rows, n_experts] act; ids: [n_rows, top_k] int32;
+  // weights: [n_rows, top_k] fp32
+  virtual Status moe_route(const void* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
+                           bool norm_topk_prob, int32_t* ids, float* weights);
+  // Routed experts: out[r] = sum_j weights[r, j] * down_e(silu(gate_e x) * up_e x).
+  // x: [n_rows, hidden] act; gate_up: [n_experts, 2 * inter, hidden] act (gate rows first);
+  // down: [n_experts, hidden, inter] act; out: [n_rows, hidden] act (overwritten)
+  virtual Status moe_experts(const void* x, const void* gate_up, const void* down,
+                             int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                             const float* weights, int64_t n_rows, int64_t top_k, void* out);
+  // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] act
+  virtual Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
+                                   int64_t dim);
+  // PLE gate: g = signed sqrt(sum_i kn[r, s, i] qn[r, s, i] / sqrt(hidden)), out[r, s] =
+  // sigmoid(g) * val[r]. kn, qn, out: [n_rows, n_streams, hidden] act; val: [n_rows, hidden] act
+  virtual Status ple_gate(const void* kn, const void* qn, const void* val, int64_t n_rows,
+                          int64_t n_streams, int64_t hidden, void* out);
 
  protected:
   friend class BackendBuffer;

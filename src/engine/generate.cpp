@@ -10,7 +10,7 @@ namespace {
 
 // Appends `ids` at positions [table.n_tokens, ...) and returns the last row's logits.
 Result<std::vector<float>> feed(Model& model, BlockAllocator& allocator, BlockTable& table,
-                                std::span<const int32_t> ids) {
+                                int32_t slot, std::span<const int32_t> ids) {
   const int64_t n = static_cast<int64_t>(ids.size());
   if (!allocator.can_append(table, n)) {
     return Status::error(cat("the KV cache is full: ", allocator.n_blocks(), " blocks of ",
@@ -23,7 +23,12 @@ Result<std::vector<float>> feed(Model& model, BlockAllocator& allocator, BlockTa
   std::vector<int32_t> pos(ids.size());
   for (int64_t i = 0; i < n; ++i) pos[size_t(i)] = static_cast<int32_t>(start + i);
   const int32_t last = static_cast<int32_t>(n - 1);
-  ForwardBatch batch{ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1)};
+  ForwardBatch batch{ids,
+                     seq,
+                     pos,
+                     {&table},
+                     std::span<const int32_t>(&last, 1),
+                     std::span<const int32_t>(&slot, 1)};
   return model.forward(batch);
 }
 
@@ -55,6 +60,7 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
 
   BlockAllocator allocator(model.n_blocks(), model.block_size());
   BlockTable table;
+  E4KV_ASSIGN_OR_RETURN(ScopedSequence sequence, ScopedSequence::allocate(model));
   Sampler sampler(options.sampling);
   // The prompt in forwards of at most the model's batch limit.
   const int64_t chunk = std::min(options.prefill_chunk > 0 ? options.prefill_chunk : prompt_len,
@@ -62,7 +68,8 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
   Result<std::vector<float>> logits = Status::error("no forward ran");
   for (int64_t begin = 0; begin < prompt_len; begin += chunk) {
     const int64_t n = std::min(chunk, prompt_len - begin);
-    logits = feed(model, allocator, table, prompt.subspan(size_t(begin), size_t(n)));
+    logits =
+        feed(model, allocator, table, sequence.slot(), prompt.subspan(size_t(begin), size_t(n)));
     if (!logits.ok()) return logits.status();
   }
   while (true) {
@@ -84,7 +91,7 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
         table.n_tokens + 1 >= model.max_model_len()) {
       break;
     }
-    logits = feed(model, allocator, table, std::span<const int32_t>(&token, 1));
+    logits = feed(model, allocator, table, sequence.slot(), std::span<const int32_t>(&token, 1));
     if (!logits.ok()) return logits.status();
   }
   allocator.free(table);

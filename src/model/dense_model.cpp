@@ -12,6 +12,7 @@
 #include "core/checked.h"
 #include "core/file_io.h"
 #include "kv/block_allocator.h"
+#include "model/qwen4exp_model.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -140,6 +141,7 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   E4KV_ASSIGN_OR_RETURN(model->limits_,
                         model_limits(options, config.max_position_embeddings, config_path));
   const ModelLimits& limits = model->limits_;
+  model->slots_ = SequenceSlots(limits.max_seqs);
 
   for (size_t i = 0; i < config.layers.size(); ++i) {
     const LayerKind kind = config.layers[i];
@@ -324,6 +326,11 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
 
 Result<std::unique_ptr<Model>> load_model(const Checkpoint& ckpt, Backend& backend,
                                           const ModelOptions& options) {
+  if (is_qwen4exp(ckpt.config())) {
+    E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Qwen4ExpModel> model,
+                          Qwen4ExpModel::load(ckpt, backend, options));
+    return std::unique_ptr<Model>(std::move(model));
+  }
   E4KV_ASSIGN_OR_RETURN(std::unique_ptr<DenseModel> model,
                         DenseModel::load(ckpt, backend, options));
   return std::unique_ptr<Model>(std::move(model));

@@ -70,6 +70,9 @@ class DenseModel final : public Model {
   const RopeTable& rope() const { return rope_; }
 
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
+  // The dense families keep no per-sequence state; the slots only count live sequences.
+  Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
+  Status free_sequence(int32_t slot) override { return slots_.release(slot); }
 
  private:
   struct Layer {
@@ -96,6 +99,7 @@ class DenseModel final : public Model {
   std::vector<Layer> layers_;
   std::vector<BackendBuffer> caches_;  // per layer: [n_blocks, 2, block_size, n_kv_heads, head_dim]
   std::unique_ptr<Workspace> ws_;
+  SequenceSlots slots_;
 };
 
 }  // namespace e4kv

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -66,6 +67,11 @@ struct ForwardBatch {
   std::span<const int32_t> row_pos;    // [n_rows]
   std::vector<const BlockTable*> seqs;
   std::span<const int32_t> logit_rows;  // [n_logits] row indices
+  // [seqs.size()] the state slot of each sequence (Model::allocate_sequence). Required by models
+  // with per-sequence state (ModelMemory::bytes_per_sequence > 0): their rows of one sequence must
+  // be contiguous, at consecutive positions starting at the tokens its state has seen. May be
+  // empty for a model without per-sequence state.
+  std::span<const int32_t> seq_slots;
 };
 
 // What the model's memory kinds take: paged memory per token (every layer's KV and indexer rows)
@@ -96,6 +102,33 @@ class Model {
   // rows, sequences or logit rows than the limits), non-finite K/V values reaching the cache, a
   // backend op refusing a shape.
   virtual Result<std::vector<float>> forward(const ForwardBatch& batch) = 0;
+
+  // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
+  // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs
+  // holds one; free it when the sequence ends. Errors when every slot is taken.
+  virtual Result<int32_t> allocate_sequence() = 0;
+  virtual Status free_sequence(int32_t slot) = 0;
+};
+
+// A sequence slot held for a scope (one request of generate, one `logits` call), freed on exit.
+class ScopedSequence {
+ public:
+  static Result<ScopedSequence> allocate(Model& model) {
+    E4KV_ASSIGN_OR_RETURN(const int32_t slot, model.allocate_sequence());
+    return ScopedSequence(model, slot);
+  }
+  ScopedSequence(ScopedSequence&& other) noexcept
+      : model_(std::exchange(other.model_, nullptr)), slot_(other.slot_) {}
+  ScopedSequence& operator=(ScopedSequence&&) = delete;
+  ~ScopedSequence() {
+    if (model_ != nullptr) (void)model_->free_sequence(slot_);
+  }
+  int32_t slot() const { return slot_; }
+
+ private:
+  ScopedSequence(Model& model, int32_t slot) : model_(&model), slot_(slot) {}
+  Model* model_;
+  int32_t slot_;
 };
 
 // Loads the family `ckpt` holds. Errors name the architecture when no family runs it.

@@ -70,12 +70,15 @@ Result<StepContext> StepContext::create(Backend& backend, const ModelLimits& lim
     BackendBuffer* buffer;
     size_t bytes;
   };
-  for (const Need& need : {Need{&ctx.ids_, rows * 4}, Need{&ctx.row_seq_, rows * 4},
-                           Need{&ctx.row_pos_, rows * 4}, Need{&ctx.slots_, rows * 8},
-                           Need{&ctx.cos_, rows * half * 4}, Need{&ctx.sin_, rows * half * 4},
-                           Need{&ctx.logit_rows_, size_t(limits.max_logit_rows) * 4},
-                           Need{&ctx.seq_lens_, size_t(limits.max_seqs) * 4},
-                           Need{&ctx.table_, size_t(*table_entries) * 4}}) {
+  for (const Need& need :
+       {Need{&ctx.ids_, rows * 4}, Need{&ctx.row_seq_, rows * 4}, Need{&ctx.row_pos_, rows * 4},
+        Need{&ctx.slots_, rows * 8}, Need{&ctx.cos_, rows * half * 4},
+        Need{&ctx.sin_, rows * half * 4}, Need{&ctx.logit_rows_, size_t(limits.max_logit_rows) * 4},
+        Need{&ctx.seq_lens_, size_t(limits.max_seqs) * 4},
+        Need{&ctx.table_, size_t(*table_entries) * 4},
+        Need{&ctx.seq_begin_, size_t(limits.max_seqs + 1) * 4},
+        Need{&ctx.seq_slot_, size_t(limits.max_seqs) * 4},
+        Need{&ctx.seq_start_, size_t(limits.max_seqs) * 8}}) {
     E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
   }
   return ctx;
@@ -202,6 +205,92 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
   b.copy_from_host(seq_lens_.data(), seq_lens_host_.data(), size_t(n_seqs_) * 4);
   b.copy_from_host(table_.data(), table_host_.data(), table_host_.size() * 4);
   return ok_status();
+}
+
+Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlots& slots) {
+  const size_t n_seqs = batch.seqs.size();
+  if (batch.seq_slots.size() != n_seqs) {
+    return Status::error(cat("forward: ", n_seqs, " sequences but ", batch.seq_slots.size(),
+                             " state slots; this model keeps per-sequence state: give each "
+                             "sequence the slot Model::allocate_sequence returned"));
+  }
+  seq_begin_host_.assign(n_seqs + 1, -1);
+  seq_slot_host_.assign(batch.seq_slots.begin(), batch.seq_slots.end());
+  seq_start_host_.assign(n_seqs, 0);
+  seq_end_host_.assign(n_seqs, 0);
+  for (size_t s = 0; s < n_seqs; ++s) {
+    const int32_t slot = seq_slot_host_[s];
+    if (!slots.valid(slot)) {
+      return Status::error(
+          cat("forward: sequence ", s, " names state slot ", slot, ", which is not allocated"));
+    }
+    if (slots.poisoned(slot)) {
+      return Status::error(cat("forward: sequence ", s, " (state slot ", slot,
+                               ") was in a forward that failed; its state is undefined: free it "
+                               "and start the sequence again"));
+    }
+    for (size_t t = 0; t < s; ++t) {
+      if (seq_slot_host_[t] == slot) {
+        return Status::error(cat("forward: sequences ", t, " and ", s, " share state slot ", slot));
+      }
+    }
+  }
+  // Rows of each sequence: one contiguous run at consecutive positions from the tokens seen.
+  for (int64_t r = 0; r < n_rows_; ++r) {
+    const size_t s = size_t(row_seq_host_[size_t(r)]);
+    const int32_t pos = row_pos_host_[size_t(r)];
+    if (seq_begin_host_[s] < 0) {
+      seq_begin_host_[s] = int32_t(r);
+      seq_start_host_[s] = pos;
+      const int64_t seen = slots.tokens(seq_slot_host_[s]);
+      if (pos != seen) {
+        return Status::error(cat("forward: sequence ", s, " starts at position ", pos,
+                                 " but its state has seen ", seen,
+                                 " tokens; a recurrent model takes every position once, in order"));
+      }
+    } else if (row_seq_host_[size_t(r - 1)] != int32_t(s) ||
+               row_pos_host_[size_t(r - 1)] + 1 != pos) {
+      return Status::error(cat("forward: row ", r, " (sequence ", s, ", position ", pos,
+                               ") does not follow the sequence's previous row; the rows of a "
+                               "sequence must be contiguous at consecutive positions"));
+    }
+    seq_end_host_[s] = pos + 1;
+  }
+  // Row ranges in sequence order (a sequence without rows gets an empty range).
+  std::vector<int32_t> begin(n_seqs + 1, 0);
+  int32_t next = 0;
+  for (size_t s = 0; s < n_seqs; ++s) {
+    if (seq_begin_host_[s] < 0) {
+      seq_begin_host_[s] = next;
+      seq_start_host_[s] = slots.tokens(seq_slot_host_[s]);
+      seq_end_host_[s] = seq_start_host_[s];
+    } else if (seq_begin_host_[s] != next) {
+      return Status::error(cat("forward: the rows of sequence ", s,
+                               " come after those of a later sequence; order the rows by "
+                               "sequence"));
+    }
+    next += int32_t(seq_end_host_[s] - seq_start_host_[s]);
+  }
+  seq_begin_host_[n_seqs] = next;
+  Backend& b = *backend_;
+  b.copy_from_host(seq_begin_.data(), seq_begin_host_.data(), (n_seqs + 1) * 4);
+  b.copy_from_host(seq_slot_.data(), seq_slot_host_.data(), n_seqs * 4);
+  b.copy_from_host(seq_start_.data(), seq_start_host_.data(), n_seqs * 8);
+  seq_rows_ = SequenceRowsView{};
+  seq_rows_.n_seqs = int64_t(n_seqs);
+  seq_rows_.row_begin = seq_begin_.as<int32_t>();
+  seq_rows_.state_slot = seq_slot_.as<int32_t>();
+  seq_rows_.start_pos = seq_start_.as<int64_t>();
+  seq_rows_.host_row_begin = seq_begin_host_.data();
+  seq_rows_.host_state_slot = seq_slot_host_.data();
+  seq_rows_.host_start_pos = seq_start_host_.data();
+  return ok_status();
+}
+
+void StepContext::commit_sequences(SequenceSlots& slots) const {
+  for (size_t s = 0; s < seq_slot_host_.size(); ++s) {
+    slots.set_tokens(seq_slot_host_[s], seq_end_host_[s]);
+  }
 }
 
 QueryBatchView StepContext::rows() const {

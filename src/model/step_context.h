@@ -14,6 +14,7 @@
 #include "kv/kv_cache_view.h"
 #include "model/model.h"
 #include "model/rope.h"
+#include "model/sequence_slots.h"
 
 namespace e4kv {
 
@@ -29,6 +30,15 @@ class StepContext {
   // with the backend's ops). Errors name the row, sequence or limit.
   Status build(const ForwardBatch& batch, const RopeTable* rope, int64_t vocab_size,
                int64_t block_size, int64_t n_blocks);
+
+  // For a model with per-sequence state, after build: checks that each sequence's rows are
+  // contiguous in the batch, at consecutive positions starting at the tokens its slot has seen,
+  // and that its slot is valid, not poisoned and named once; then builds and uploads the
+  // per-sequence row ranges (sequences()). Errors name the sequence.
+  Status build_sequences(const ForwardBatch& batch, const SequenceSlots& slots);
+  // After a successful forward: every slot of the batch has seen its rows.
+  void commit_sequences(SequenceSlots& slots) const;
+  const SequenceRowsView& sequences() const { return seq_rows_; }
 
   int64_t n_rows() const { return n_rows_; }
   int64_t n_seqs() const { return n_seqs_; }
@@ -65,6 +75,12 @@ class StepContext {
   QueryBatchView host_rows_;
 
   BackendBuffer ids_, row_seq_, row_pos_, slots_, cos_, sin_, logit_rows_, seq_lens_, table_;
+
+  // Per-sequence row ranges (build_sequences).
+  std::vector<int32_t> seq_begin_host_, seq_slot_host_;
+  std::vector<int64_t> seq_start_host_, seq_end_host_;
+  BackendBuffer seq_begin_, seq_slot_, seq_start_;
+  SequenceRowsView seq_rows_;
 };
 
 }  // namespace e4kv

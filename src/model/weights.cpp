@@ -36,6 +36,90 @@ Result<BackendBuffer> WeightLoader::load(const std::string& name,
   return buffer;
 }
 
+Result<const SafetensorsTensor*> WeightLoader::find(const std::string& name,
+                                                    const std::vector<int64_t>& shape,
+                                                    std::string_view meaning) {
+  const SafetensorsTensor* tensor = ckpt_->find(name);
+  if (tensor == nullptr) {
+    return Status::error(cat(ckpt_->dir().string(), ": tensor ", name, " is missing (a ", family_,
+                             " checkpoint needs it)"));
+  }
+  if (tensor->shape != shape) {
+    return Status::error(cat(ckpt_->dir().string(), ": tensor ", name, " has shape ",
+                             shape_text(tensor->shape), " but config.json implies ",
+                             shape_text(shape), " (", meaning,
+                             "); the checkpoint and its config.json disagree"));
+  }
+  used_.insert(name);
+  return tensor;
+}
+
+Result<BackendBuffer> WeightLoader::upload_host(const std::string& name, DType dtype,
+                                                std::vector<int64_t> shape,
+                                                std::vector<std::byte> bytes) {
+  SafetensorsTensor tensor;
+  tensor.name = name;
+  tensor.dtype = dtype;
+  tensor.shape = std::move(shape);
+  tensor.end = bytes.size();
+  tensor.bytes = std::span<const std::byte>(bytes.data(), bytes.size());
+  Result<BackendBuffer> buffer = backend_->upload_weight(tensor);
+  if (!buffer.ok()) return Status::error(cat(ckpt_->dir().string(), ": ", buffer.message()));
+  return buffer;
+}
+
+Result<BackendBuffer> WeightLoader::load_concat(const std::vector<std::string>& names,
+                                                const std::vector<int64_t>& part_shape,
+                                                std::string_view meaning) {
+  E4KV_ASSERT(!names.empty() && !part_shape.empty(), "load_concat: nothing to load");
+  std::vector<std::byte> bytes;
+  DType dtype = DType::kU8;
+  for (size_t i = 0; i < names.size(); ++i) {
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(names[i], part_shape, meaning));
+    if (i == 0) {
+      dtype = tensor->dtype;
+      bytes.reserve(tensor->bytes.size() * names.size());
+    } else if (tensor->dtype != dtype) {
+      return Status::error(cat(ckpt_->dir().string(), ": tensor ", names[i], " is ",
+                               dtype_name(tensor->dtype), " but ", names[0], " is ",
+                               dtype_name(dtype), "; the runtime stacks them into one tensor"));
+    }
+    bytes.insert(bytes.end(), tensor->bytes.begin(), tensor->bytes.end());
+  }
+  std::vector<int64_t> shape = part_shape;
+  shape[0] *= int64_t(names.size());
+  return upload_host(names[0], dtype, std::move(shape), std::move(bytes));
+}
+
+Result<BackendBuffer> WeightLoader::load_row_blocks(const std::string& name,
+                                                    const std::vector<int64_t>& shape,
+                                                    std::string_view meaning, int64_t block_rows,
+                                                    const std::vector<int64_t>& order) {
+  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
+  const int64_t rows = shape[0];
+  E4KV_ASSERT(
+      block_rows > 0 && rows % block_rows == 0 && int64_t(order.size()) == rows / block_rows,
+      "load_row_blocks: the blocks do not tile the rows");
+  const size_t block_bytes = tensor->bytes.size() / order.size();
+  std::vector<std::byte> bytes(tensor->bytes.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    std::copy_n(tensor->bytes.begin() + long(size_t(order[i]) * block_bytes), block_bytes,
+                bytes.begin() + long(i * block_bytes));
+  }
+  return upload_host(name, tensor->dtype, shape, std::move(bytes));
+}
+
+int64_t WeightLoader::skip_prefix(std::string_view prefix) {
+  int64_t count = 0;
+  for (const std::string& name : ckpt_->tensor_names()) {
+    if (std::string_view(name).starts_with(prefix)) {
+      used_.insert(name);
+      ++count;
+    }
+  }
+  return count;
+}
+
 Status WeightLoader::check_all_used() const {
   std::vector<std::string> unexpected;
   for (const std::string& name : ckpt_->tensor_names()) {

@@ -26,7 +26,25 @@ class WeightLoader {
   // ("[hidden_size]").
   Result<BackendBuffer> load(const std::string& name, const std::vector<int64_t>& shape,
                              std::string_view meaning);
+  // The tensors `names`, each of `part_shape` and one dtype, concatenated along their first
+  // dimension and uploaded as one tensor (per-expert checkpoint tensors stacked into the packed
+  // layout). meaning: as for load.
+  Result<BackendBuffer> load_concat(const std::vector<std::string>& names,
+                                    const std::vector<int64_t>& part_shape,
+                                    std::string_view meaning);
+  // The tensor `name` of `shape`, its rows regrouped: viewed as blocks of block_rows rows, block
+  // order[i] becomes block i (an interleaved projection split into contiguous parts).
+  Result<BackendBuffer> load_row_blocks(const std::string& name, const std::vector<int64_t>& shape,
+                                        std::string_view meaning, int64_t block_rows,
+                                        const std::vector<int64_t>& order);
+  // The tensor's checkpoint entry, checked for presence and shape, counted as used, not uploaded
+  // (tensors a layer reads on the host, such as the PLE tables and their int64 buffers).
+  Result<const SafetensorsTensor*> find(const std::string& name, const std::vector<int64_t>& shape,
+                                        std::string_view meaning);
   bool has(const std::string& name) const { return ckpt_->find(name) != nullptr; }
+  // Counts every tensor whose name starts with `prefix` as used; returns how many (weights of a
+  // part of the checkpoint the runtime does not run, such as a vision tower).
+  int64_t skip_prefix(std::string_view prefix);
   // Counts `name` as used without uploading it (a tied lm_head).
   void mark_used(const std::string& name) { used_.insert(name); }
 
@@ -37,6 +55,9 @@ class WeightLoader {
   const Checkpoint* ckpt_;
   Backend* backend_;
   std::string family_;
+  Result<BackendBuffer> upload_host(const std::string& name, DType dtype,
+                                    std::vector<int64_t> shape, std::vector<std::byte> bytes);
+
   std::set<std::string, std::less<>> used_;
 };
 

@@ -53,7 +53,9 @@ Status run_logits(const LogitsArgs& args) {
   std::vector<int32_t> seq(ids.size(), 0);
   std::vector<int32_t> pos(ids.size());
   std::iota(pos.begin(), pos.end(), 0);
-  ForwardBatch batch{ids, seq, pos, {&table}, pos};
+  E4KV_ASSIGN_OR_RETURN(ScopedSequence sequence, ScopedSequence::allocate(model));
+  const int32_t slot = sequence.slot();
+  ForwardBatch batch{ids, seq, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)};
   E4KV_ASSIGN_OR_RETURN(std::vector<float> logits, model.forward(batch));
   for (size_t i = 0; i < logits.size(); ++i) {
     if (!std::isfinite(logits[i])) {

@@ -12,6 +12,10 @@
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/cache_write.h"
+#include "backend/cpu/gated_delta_net.h"
+#include "backend/cpu/hyper_connection.h"
+#include "backend/cpu/moe.h"
+#include "backend/cpu/ple.h"
 #include "core/half.h"
 
 namespace e4kv {
@@ -264,10 +268,160 @@ class CpuBackend final : public Backend {
     return first_error;
   }
 
+  // ---- hybrid-model ops: the CPU references of backend/cpu/ and qsa/ ----
+  bool has_hybrid_ops() const override { return true; }
+
+  Status rms_norm_grouped(const void* x, const void* weight, int64_t n_rows, int64_t n_groups,
+                          int64_t dim, float eps, RmsNormForm form, void* out) override {
+    e4kv::rms_norm_grouped(f32(x), f32(weight), n_rows, n_groups, dim, eps, form, f32(out));
+    return ok_status();
+  }
+  Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
+    e4kv::silu_scaled(f32(x), n, scale, f32(out));
+    return ok_status();
+  }
+  Status hc_mix(const void* up, const void* xn, int64_t n_rows, int64_t n_streams, int64_t hidden,
+                void* mix) override {
+    e4kv::hc_mix(f32(up), f32(xn), n_rows, n_streams, hidden, f32(mix));
+    return ok_status();
+  }
+  Status hc_inject(void* x, const void* y, const void* inj, int64_t n_rows, int64_t n_streams,
+                   int64_t hidden) override {
+    e4kv::hc_inject(f32(x), f32(y), f32(inj), n_rows, n_streams, hidden);
+    return ok_status();
+  }
+  Status hc_expand(const void* e, int64_t n_rows, int64_t n_streams, int64_t hidden,
+                   void* x) override {
+    e4kv::hc_expand(f32(e), n_rows, n_streams, hidden, f32(x));
+    return ok_status();
+  }
+
+  Status conv1d_silu(const void* x, int64_t channels, const void* weight, int64_t kernel,
+                     int64_t dilation, void* states, const SequenceRowsView& seqs,
+                     void* out) override {
+    const int64_t state_elems = (kernel - 1) * dilation * channels;
+    for (int64_t s = 0; s < seqs.n_seqs; ++s) {
+      const int64_t begin = seqs.row_begin[s];
+      const int64_t n = seqs.row_begin[s + 1] - begin;
+      float* state = f32(states) + int64_t(seqs.state_slot[s]) * state_elems;
+      dilated_conv1d_silu(f32(x) + begin * channels, n, channels, f32(weight), kernel, dilation,
+                          state, f32(out) + begin * channels);
+    }
+    return ok_status();
+  }
+
+  Status gated_delta_gates(const void* a, const void* b, const void* a_log, const void* dt_bias,
+                           int64_t n_rows, int64_t n_heads, float* g, float* beta) override {
+    e4kv::gated_delta_gates(f32(a), f32(b), f32(a_log), f32(dt_bias), n_rows, n_heads, g, beta);
+    return ok_status();
+  }
+
+  Status gated_delta_rule(const void* qkv, const float* g, const float* beta, int64_t n_k_heads,
+                          int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim, float* states,
+                          const SequenceRowsView& seqs, void* out) override {
+    const int64_t k_dim = n_k_heads * head_k_dim;
+    const int64_t v_dim = n_v_heads * head_v_dim;
+    const int64_t width = 2 * k_dim + v_dim;
+    const int64_t state_elems = n_v_heads * head_k_dim * head_v_dim;
+    std::vector<float> q, k, v;
+    for (int64_t s = 0; s < seqs.n_seqs; ++s) {
+      const int64_t begin = seqs.row_begin[s];
+      const int64_t n = seqs.row_begin[s + 1] - begin;
+      q.resize(size_t(n * k_dim));
+      k.resize(size_t(n * k_dim));
+      v.resize(size_t(n * v_dim));
+      for (int64_t r = 0; r < n; ++r) {
+        const float* row = f32(qkv) + (begin + r) * width;
+        std::memcpy(q.data() + r * k_dim, row, size_t(k_dim) * sizeof(float));
+        std::memcpy(k.data() + r * k_dim, row + k_dim, size_t(k_dim) * sizeof(float));
+        std::memcpy(v.data() + r * v_dim, row + 2 * k_dim, size_t(v_dim) * sizeof(float));
+      }
+      GatedDeltaRuleParams params;
+      params.n_tokens = n;
+      params.n_k_heads = n_k_heads;
+      params.n_v_heads = n_v_heads;
+      params.head_k_dim = head_k_dim;
+      params.head_v_dim = head_v_dim;
+      params.q = q.data();
+      params.k = k.data();
+      params.v = v.data();
+      params.g = g + begin * n_v_heads;
+      params.beta = beta + begin * n_v_heads;
+      params.state = states + int64_t(seqs.state_slot[s]) * state_elems;
+      params.out = f32(out) + begin * v_dim;
+      // As transformers: the recurrent form for one token with a state, the chunked one otherwise.
+      if (n == 1 && seqs.start_pos[s] > 0) {
+        gated_delta_rule_recurrent(params);
+      } else {
+        gated_delta_rule_chunked(params);
+      }
+    }
+    return ok_status();
+  }
+
+  Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
+                        int64_t dim, float eps, bool sigmoid_gate, void* out) override {
+    e4kv::gated_rms_norm(f32(x), f32(z), f32(weight), n_rows, dim, eps,
+                         sigmoid_gate ? GateActivation::kSigmoid : GateActivation::kSilu, f32(out));
+    return ok_status();
+  }
+
+  Status qsa_indexer_write(const IndexerCompressedView& compressed, const IndexerRingView& rings,
+                           const uint16_t* index_k, const SequenceRowsView& seqs,
+                           const BlockTableView& block_table,
+                           const IndexerKeyNormRope& norm_rope) override {
+    IndexerWriteBatch batch;
+    batch.index_k = index_k;
+    batch.token_offsets = seqs.row_begin;
+    batch.start_pos = seqs.start_pos;
+    batch.ring_index = seqs.state_slot;
+    batch.n_seqs = seqs.n_seqs;
+    batch.block_tables = block_table;
+    indexer_cache_write(compressed, rings, batch, norm_rope);
+    return ok_status();
+  }
+
+  Status qsa_select(const QsaSelectionConfig& config, const IndexerCompressedView& compressed,
+                    const BlockTableView& block_table, const QueryBatchView& rows,
+                    const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts) override {
+    return e4kv::qsa_select(config, compressed, block_table, rows, index_q, sel_tokens, sel_counts);
+  }
+
+  Status moe_route(const void* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
+                   bool norm_topk_prob, int32_t* ids, float* weights) override {
+    e4kv::moe_route(f32(logits), n_rows, n_experts, top_k, norm_topk_prob, ids, weights);
+    return ok_status();
+  }
+  Status moe_experts(const void* x, const void* gate_up, const void* down, int64_t n_experts,
+                     int64_t hidden, int64_t inter, const int32_t* ids, const float* weights,
+                     int64_t n_rows, int64_t top_k, void* out) override {
+    MoeExpertsView experts;
+    experts.gate_up = f32(gate_up);
+    experts.down = f32(down);
+    experts.n_experts = n_experts;
+    experts.hidden = hidden;
+    experts.inter = inter;
+    e4kv::moe_experts(experts, f32(x), n_rows, ids, weights, top_k, f32(out));
+    return ok_status();
+  }
+  Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
+                           int64_t dim) override {
+    e4kv::sigmoid_gated_add(f32(out), f32(y), f32(gate), n_rows, dim);
+    return ok_status();
+  }
+  Status ple_gate(const void* kn, const void* qn, const void* val, int64_t n_rows,
+                  int64_t n_streams, int64_t hidden, void* out) override {
+    e4kv::ple_gate(f32(kn), f32(qn), f32(val), n_rows, n_streams, hidden, f32(out));
+    return ok_status();
+  }
+
  protected:
   void release(void* data) override { std::free(data); }
 
  private:
+  static float* f32(void* p) { return static_cast<float*>(p); }
+  static const float* f32(const void* p) { return static_cast<const float*>(p); }
+
   static constexpr int64_t kElemsPerThread = 1 << 15;
   static int64_t rows_per_thread(int64_t row_elems) {
     return std::max<int64_t>(1, kElemsPerThread / std::max<int64_t>(1, row_elems));

@@ -4,8 +4,7 @@
 
 namespace e4kv {
 
-Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend,
-                                                      const AttentionShape& shape,
+Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend, const AttentionShape& shape,
                                                       int64_t max_rows) {
   AttentionWorkspace ws;
   const size_t n = size_t(max_rows);
@@ -44,12 +43,12 @@ Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::st
   E4KV_ASSIGN_OR_RETURN(m.o_, weights.load(p + "o_proj.weight", {hidden, q_dim},
                                            "[hidden_size, num_attention_heads * head_dim]"));
   if (shape.qkv_bias) {
-    E4KV_ASSIGN_OR_RETURN(m.q_bias_, weights.load(p + "q_proj.bias", {q_dim},
-                                                  "[num_attention_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load(p + "k_proj.bias", {kv_dim},
-                                                  "[num_key_value_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load(p + "v_proj.bias", {kv_dim},
-                                                  "[num_key_value_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(
+        m.q_bias_, weights.load(p + "q_proj.bias", {q_dim}, "[num_attention_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(
+        m.k_bias_, weights.load(p + "k_proj.bias", {kv_dim}, "[num_key_value_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(
+        m.v_bias_, weights.load(p + "v_proj.bias", {kv_dim}, "[num_key_value_heads * head_dim]"));
   }
   if (shape.o_bias) {
     E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {hidden}, "[hidden_size]"));
@@ -71,7 +70,8 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   const int64_t q_dim = s.q_dim();
   const int64_t kv_dim = s.kv_dim();
   const DType act = b.act_dtype();
-  E4KV_RETURN_IF_ERROR(b.linear(x, q_.data(), q_bias_.data(), n, s.hidden, q_dim, ws.q.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, q_.data(), q_bias_.data(), n, s.hidden, q_dim, ws.q.data(), act));
   E4KV_RETURN_IF_ERROR(
       b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, kv_dim, ws.k.data(), act));
   E4KV_RETURN_IF_ERROR(
@@ -102,7 +102,8 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   E4KV_RETURN_IF_ERROR(b.paged_attention(params, ctx.host_rows()));
   const void* attn_in = ws.attn.data();
   if (act != DType::kF32) {
-    E4KV_RETURN_IF_ERROR(b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
+    E4KV_RETURN_IF_ERROR(
+        b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
     attn_in = ws.attn_act.data();
   }
   return b.linear(attn_in, o_.data(), o_bias_.data(), n, q_dim, s.hidden, out, act);

@@ -31,7 +31,8 @@ Status DenseMlp::forward(Backend& b, int64_t n, const void* x, void* out, MlpWor
   const DType act = b.act_dtype();
   E4KV_RETURN_IF_ERROR(
       b.linear(x, gate_.data(), nullptr, n, hidden_, intermediate_, ws.gate.data(), act));
-  E4KV_RETURN_IF_ERROR(b.linear(x, up_.data(), nullptr, n, hidden_, intermediate_, ws.up.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, up_.data(), nullptr, n, hidden_, intermediate_, ws.up.data(), act));
   E4KV_RETURN_IF_ERROR(b.silu_mul(ws.gate.data(), ws.up.data(), ws.gate.data(), n * intermediate_));
   return b.linear(ws.gate.data(), down_.data(), nullptr, n, intermediate_, hidden_, out, act);
 }

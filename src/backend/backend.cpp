@@ -1,0 +1,70 @@
+#include "backend/backend.h"
+
+namespace e4kv {
+namespace {
+
+Status no_hybrid_op(const Backend& backend, const char* op) {
+  return Status::error(cat(backend.name(), " backend: ", op,
+                           " (an op of the hybrid Qwen4Exp layers) is not implemented on this "
+                           "backend; run the model with --device cpu"));
+}
+
+}  // namespace
+
+Status Backend::rms_norm_grouped(const void*, const void*, int64_t, int64_t, int64_t, float,
+                                 RmsNormForm, void*) {
+  return no_hybrid_op(*this, "rms_norm_grouped");
+}
+Status Backend::silu_scaled(const void*, int64_t, float, void*) {
+  return no_hybrid_op(*this, "silu_scaled");
+}
+Status Backend::hc_mix(const void*, const void*, int64_t, int64_t, int64_t, void*) {
+  return no_hybrid_op(*this, "hc_mix");
+}
+Status Backend::hc_inject(void*, const void*, const void*, int64_t, int64_t, int64_t) {
+  return no_hybrid_op(*this, "hc_inject");
+}
+Status Backend::hc_expand(const void*, int64_t, int64_t, int64_t, void*) {
+  return no_hybrid_op(*this, "hc_expand");
+}
+Status Backend::conv1d_silu(const void*, int64_t, const void*, int64_t, int64_t, void*,
+                            const SequenceRowsView&, void*) {
+  return no_hybrid_op(*this, "conv1d_silu");
+}
+Status Backend::gated_delta_gates(const void*, const void*, const void*, const void*, int64_t,
+                                  int64_t, float*, float*) {
+  return no_hybrid_op(*this, "gated_delta_gates");
+}
+Status Backend::gated_delta_rule(const void*, const float*, const float*, int64_t, int64_t, int64_t,
+                                 int64_t, float*, const SequenceRowsView&, void*) {
+  return no_hybrid_op(*this, "gated_delta_rule");
+}
+Status Backend::gated_rms_norm(const void*, const void*, const void*, int64_t, int64_t, float, bool,
+                               void*) {
+  return no_hybrid_op(*this, "gated_rms_norm");
+}
+Status Backend::qsa_indexer_write(const IndexerCompressedView&, const IndexerRingView&,
+                                  const uint16_t*, const SequenceRowsView&, const BlockTableView&,
+                                  const IndexerKeyNormRope&) {
+  return no_hybrid_op(*this, "qsa_indexer_write");
+}
+Status Backend::qsa_select(const QsaSelectionConfig&, const IndexerCompressedView&,
+                           const BlockTableView&, const QueryBatchView&, const uint16_t*, int32_t*,
+                           int32_t*) {
+  return no_hybrid_op(*this, "qsa_select");
+}
+Status Backend::moe_route(const void*, int64_t, int64_t, int64_t, bool, int32_t*, float*) {
+  return no_hybrid_op(*this, "moe_route");
+}
+Status Backend::moe_experts(const void*, const void*, const void*, int64_t, int64_t, int64_t,
+                            const int32_t*, const float*, int64_t, int64_t, void*) {
+  return no_hybrid_op(*this, "moe_experts");
+}
+Status Backend::sigmoid_gated_add(void*, const void*, const void*, int64_t, int64_t) {
+  return no_hybrid_op(*this, "sigmoid_gated_add");
+}
+Status Backend::ple_gate(const void*, const void*, const void*, int64_t, int64_t, int64_t, void*) {
+  return no_hybrid_op(*this, "ple_gate");
+}
+
+}  // namespace e4kv

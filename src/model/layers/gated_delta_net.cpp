@@ -1,0 +1,102 @@
+#include "model/layers/gated_delta_net.h"
+
+#include <algorithm>
+
+namespace e4kv {
+
+Result<DeltaNetWorkspace> DeltaNetWorkspace::create(Backend& backend, const DeltaNetShape& shape,
+                                                    int64_t max_rows) {
+  DeltaNetWorkspace ws;
+  const size_t n = size_t(max_rows);
+  const size_t act = backend.act_size();
+  struct Need {
+    BackendBuffer* buffer;
+    size_t bytes;
+  };
+  for (const Need& need :
+       {Need{&ws.u, n * size_t(shape.conv_dim()) * act},
+        Need{&ws.y, n * size_t(shape.conv_dim()) * act},
+        Need{&ws.z, n * size_t(shape.v_dim()) * act}, Need{&ws.o, n * size_t(shape.v_dim()) * act},
+        Need{&ws.a, n * size_t(shape.n_v_heads) * act},
+        Need{&ws.b, n * size_t(shape.n_v_heads) * act},
+        Need{&ws.g, n * size_t(shape.n_v_heads) * 4},
+        Need{&ws.beta, n * size_t(shape.n_v_heads) * 4}}) {
+    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
+  }
+  return ws;
+}
+
+Result<DeltaNetState> DeltaNetState::create(Backend& backend, const DeltaNetShape& shape,
+                                            int64_t n_slots) {
+  DeltaNetState state;
+  E4KV_ASSIGN_OR_RETURN(state.conv,
+                        backend.allocate(std::max<size_t>(
+                            64, size_t(n_slots * shape.conv_state_elems()) * backend.act_size())));
+  E4KV_ASSIGN_OR_RETURN(
+      state.recurrent,
+      backend.allocate(std::max<size_t>(64, size_t(n_slots * shape.recurrent_state_elems()) * 4)));
+  return state;
+}
+
+void DeltaNetState::reset(Backend& backend, const DeltaNetShape& shape, int32_t slot) {
+  const size_t conv_bytes = size_t(shape.conv_state_elems()) * backend.act_size();
+  const size_t rec_bytes = size_t(shape.recurrent_state_elems()) * 4;
+  backend.fill_zero(conv.as<std::byte>() + size_t(slot) * conv_bytes, conv_bytes);
+  backend.fill_zero(recurrent.as<std::byte>() + size_t(slot) * rec_bytes, rec_bytes);
+}
+
+Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::string& p,
+                                          const DeltaNetShape& shape) {
+  DeltaNetMixer m;
+  m.shape_ = shape;
+  const int64_t h = shape.hidden;
+  const int64_t nv = shape.n_v_heads;
+  E4KV_ASSIGN_OR_RETURN(
+      m.in_qkv_, weights.load(p + "in_proj_qkv.weight", {shape.conv_dim(), h},
+                              "[2 * linear_num_key_heads * linear_key_head_dim + "
+                              "linear_num_value_heads * linear_value_head_dim, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.in_z_, weights.load(p + "in_proj_z.weight", {shape.v_dim(), h},
+                                              "[linear_num_value_heads * linear_value_head_dim, "
+                                              "hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.in_b_, weights.load(p + "in_proj_b.weight", {nv, h},
+                                              "[linear_num_value_heads, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.in_a_, weights.load(p + "in_proj_a.weight", {nv, h},
+                                              "[linear_num_value_heads, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.conv_,
+                        weights.load(p + "conv1d.weight", {shape.conv_dim(), 1, shape.conv_kernel},
+                                     "[conv channels, 1, linear_conv_kernel_dim]"));
+  E4KV_ASSIGN_OR_RETURN(m.dt_bias_, weights.load(p + "dt_bias", {nv}, "[linear_num_value_heads]"));
+  E4KV_ASSIGN_OR_RETURN(m.a_log_, weights.load(p + "A_log", {nv}, "[linear_num_value_heads]"));
+  E4KV_ASSIGN_OR_RETURN(
+      m.norm_, weights.load(p + "norm.weight", {shape.head_v_dim}, "[linear_value_head_dim]"));
+  E4KV_ASSIGN_OR_RETURN(m.out_, weights.load(p + "out_proj.weight", {h, shape.v_dim()},
+                                             "[hidden_size, linear_num_value_heads * "
+                                             "linear_value_head_dim]"));
+  return m;
+}
+
+Status DeltaNetMixer::forward(Backend& b, int64_t n, const SequenceRowsView& seqs, const void* x,
+                              void* out, DeltaNetState& state, DeltaNetWorkspace& ws) const {
+  const DeltaNetShape& s = shape_;
+  const DType act = b.act_dtype();
+  const int64_t c = s.conv_dim();
+  E4KV_RETURN_IF_ERROR(b.linear(x, in_qkv_.data(), nullptr, n, s.hidden, c, ws.u.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, in_z_.data(), nullptr, n, s.hidden, s.v_dim(), ws.z.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, in_b_.data(), nullptr, n, s.hidden, s.n_v_heads, ws.b.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, in_a_.data(), nullptr, n, s.hidden, s.n_v_heads, ws.a.data(), act));
+  E4KV_RETURN_IF_ERROR(b.conv1d_silu(ws.u.data(), c, conv_.data(), s.conv_kernel, 1,
+                                     state.conv.data(), seqs, ws.y.data()));
+  E4KV_RETURN_IF_ERROR(b.gated_delta_gates(ws.a.data(), ws.b.data(), a_log_.data(), dt_bias_.data(),
+                                           n, s.n_v_heads, ws.g.as<float>(), ws.beta.as<float>()));
+  E4KV_RETURN_IF_ERROR(b.gated_delta_rule(ws.y.data(), ws.g.as<float>(), ws.beta.as<float>(),
+                                          s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim,
+                                          state.recurrent.as<float>(), seqs, ws.o.data()));
+  E4KV_RETURN_IF_ERROR(b.gated_rms_norm(ws.o.data(), ws.z.data(), norm_.data(), n * s.n_v_heads,
+                                        s.head_v_dim, s.eps, s.sigmoid_gate, ws.o.data()));
+  return b.linear(ws.o.data(), out_.data(), nullptr, n, s.v_dim(), s.hidden, out, act);
+}
+
+}  // namespace e4kv

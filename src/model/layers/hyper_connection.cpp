@@ -1,0 +1,71 @@
+#include "model/layers/hyper_connection.h"
+
+#include <algorithm>
+
+namespace e4kv {
+
+Result<HyperConnectionWorkspace> HyperConnectionWorkspace::create(Backend& backend,
+                                                                  const HyperConnectionShape& shape,
+                                                                  int64_t max_rows) {
+  HyperConnectionWorkspace ws;
+  const size_t n = size_t(max_rows);
+  const size_t act = backend.act_size();
+  struct Need {
+    BackendBuffer* buffer;
+    size_t elems;
+  };
+  for (const Need& need :
+       {Need{&ws.xn, n * size_t(shape.width())}, Need{&ws.a, n * size_t(shape.rank)},
+        Need{&ws.up, n * size_t(shape.width())}, Need{&ws.inj, n * size_t(shape.streams)}}) {
+    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.elems * act)));
+  }
+  return ws;
+}
+
+Result<HyperConnection> HyperConnection::load(WeightLoader& weights, const std::string& p,
+                                              const HyperConnectionShape& shape, bool inject) {
+  HyperConnection hc;
+  hc.shape_ = shape;
+  const int64_t width = shape.width();
+  E4KV_ASSIGN_OR_RETURN(hc.norm_,
+                        weights.load(p + "hc_norm.weight", {width}, "[hc_count * hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(hc.down_,
+                        weights.load(p + "input_mix_weight_down.weight", {shape.rank, width},
+                                     "[hc_lowrank, hc_count * hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(hc.up_, weights.load(p + "input_mix_weight_up.weight", {width, shape.rank},
+                                             "[hc_count * hidden_size, hc_lowrank]"));
+  if (inject) {
+    E4KV_ASSIGN_OR_RETURN(hc.inject_,
+                          weights.load(p + "block_inject_weight.weight", {shape.streams, width},
+                                       "[hc_count, hc_count * hidden_size]"));
+  }
+  return hc;
+}
+
+Status HyperConnection::mix(Backend& b, int64_t n, const void* x, void* mix,
+                            HyperConnectionWorkspace& ws) const {
+  const HyperConnectionShape& s = shape_;
+  const DType act = b.act_dtype();
+  const float inv_streams = 1.0f / float(s.streams);
+  E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(x, norm_.data(), n, s.streams, s.hidden, s.eps,
+                                          RmsNormForm::kOnePlusWeight, ws.xn.data()));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(ws.xn.data(), down_.data(), nullptr, n, s.width(), s.rank, ws.a.data(), act));
+  E4KV_RETURN_IF_ERROR(b.silu_scaled(ws.a.data(), n * s.rank, inv_streams, ws.a.data()));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(ws.a.data(), up_.data(), nullptr, n, s.rank, s.width(), ws.up.data(), act));
+  E4KV_RETURN_IF_ERROR(b.hc_mix(ws.up.data(), ws.xn.data(), n, s.streams, s.hidden, mix));
+  if (!inject_.empty()) {
+    E4KV_RETURN_IF_ERROR(b.linear(ws.xn.data(), inject_.data(), nullptr, n, s.width(), s.streams,
+                                  ws.inj.data(), act));
+  }
+  return ok_status();
+}
+
+Status HyperConnection::inject(Backend& b, int64_t n, void* x, const void* y,
+                               HyperConnectionWorkspace& ws) const {
+  E4KV_ASSERT(!inject_.empty(), "HyperConnection::inject on a block without injection weights");
+  return b.hc_inject(x, y, ws.inj.data(), n, shape_.streams, shape_.hidden);
+}
+
+}  // namespace e4kv

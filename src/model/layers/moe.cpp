@@ -1,0 +1,96 @@
+#include "model/layers/moe.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace e4kv {
+
+Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shape,
+                                          int64_t max_rows) {
+  MoeWorkspace ws;
+  const size_t n = size_t(max_rows);
+  const size_t act = backend.act_size();
+  struct Need {
+    BackendBuffer* buffer;
+    size_t bytes;
+  };
+  for (const Need& need :
+       {Need{&ws.logits, n * size_t(shape.n_experts) * act},
+        Need{&ws.ids, n * size_t(shape.top_k) * 4}, Need{&ws.weights, n * size_t(shape.top_k) * 4},
+        Need{&ws.gate, n * size_t(shape.shared_inter) * act},
+        Need{&ws.up, n * size_t(shape.shared_inter) * act},
+        Need{&ws.shared, n * size_t(shape.hidden) * act}, Need{&ws.shared_gate, n * act}}) {
+    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
+  }
+  return ws;
+}
+
+Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const MoeShape& shape) {
+  MoeFfn m;
+  m.shape_ = shape;
+  const int64_t h = shape.hidden;
+  const int64_t e = shape.n_experts;
+  const int64_t i = shape.inter;
+  E4KV_ASSIGN_OR_RETURN(m.router_,
+                        weights.load(p + "gate.weight", {e, h}, "[num_experts, hidden_size]"));
+  if (weights.has(p + "experts.gate_up_proj")) {
+    E4KV_ASSIGN_OR_RETURN(m.gate_up_, weights.load(p + "experts.gate_up_proj", {e, 2 * i, h},
+                                                   "[num_experts, 2 * moe_intermediate_size, "
+                                                   "hidden_size]"));
+    E4KV_ASSIGN_OR_RETURN(m.down_,
+                          weights.load(p + "experts.down_proj", {e, h, i},
+                                       "[num_experts, hidden_size, moe_intermediate_size]"));
+  } else {
+    // Per expert: gate_0, up_0, gate_1, up_1, ... stacked is the packed [E, 2I, H] layout.
+    std::vector<std::string> gate_up, down;
+    for (int64_t x = 0; x < e; ++x) {
+      const std::string q = cat(p, "experts.", x, ".");
+      gate_up.push_back(q + "gate_proj.weight");
+      gate_up.push_back(q + "up_proj.weight");
+      down.push_back(q + "down_proj.weight");
+    }
+    E4KV_ASSIGN_OR_RETURN(
+        m.gate_up_, weights.load_concat(gate_up, {i, h}, "[moe_intermediate_size, hidden_size]"));
+    E4KV_ASSIGN_OR_RETURN(
+        m.down_, weights.load_concat(down, {h, i}, "[hidden_size, moe_intermediate_size]"));
+  }
+  const int64_t s = shape.shared_inter;
+  const std::string q = p + "shared_expert.";
+  E4KV_ASSIGN_OR_RETURN(m.shared_gate_proj_,
+                        weights.load(q + "gate_proj.weight", {s, h},
+                                     "[shared_expert_intermediate_size, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(
+      m.shared_up_proj_,
+      weights.load(q + "up_proj.weight", {s, h}, "[shared_expert_intermediate_size, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.shared_down_proj_,
+                        weights.load(q + "down_proj.weight", {h, s},
+                                     "[hidden_size, shared_expert_intermediate_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.shared_gate_,
+                        weights.load(p + "shared_expert_gate.weight", {1, h}, "[1, hidden_size]"));
+  return m;
+}
+
+Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorkspace& ws) const {
+  const MoeShape& s = shape_;
+  const DType act = b.act_dtype();
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, router_.data(), nullptr, n, s.hidden, s.n_experts, ws.logits.data(), act));
+  E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.data(), n, s.n_experts, s.top_k, s.norm_topk_prob,
+                                   ws.ids.as<int32_t>(), ws.weights.as<float>()));
+  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.data(), down_.data(), s.n_experts, s.hidden,
+                                     s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
+                                     s.top_k, out));
+  E4KV_RETURN_IF_ERROR(b.linear(x, shared_gate_proj_.data(), nullptr, n, s.hidden, s.shared_inter,
+                                ws.gate.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, shared_up_proj_.data(), nullptr, n, s.hidden, s.shared_inter, ws.up.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.silu_mul(ws.gate.data(), ws.up.data(), ws.gate.data(), n * s.shared_inter));
+  E4KV_RETURN_IF_ERROR(b.linear(ws.gate.data(), shared_down_proj_.data(), nullptr, n,
+                                s.shared_inter, s.hidden, ws.shared.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, shared_gate_.data(), nullptr, n, s.hidden, 1, ws.shared_gate.data(), act));
+  return b.sigmoid_gated_add(out, ws.shared.data(), ws.shared_gate.data(), n, s.hidden);
+}
+
+}  // namespace e4kv

@@ -1,0 +1,388 @@
+#include "model/qwen4exp_model.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/checked.h"
+#include "model/weights.h"
+
+namespace e4kv {
+
+struct Qwen4ExpModel::Workspace {
+  StepContext step;
+  BackendBuffer e;       // [rows, hidden] act (the embeddings)
+  BackendBuffer x;       // [rows, streams * hidden] act (the residual streams)
+  BackendBuffer mix, y;  // [rows, hidden] act
+  HyperConnectionWorkspace hc;
+  std::optional<QsaAttentionWorkspace> qsa;
+  std::optional<DeltaNetWorkspace> delta_net;
+  MoeWorkspace moe;
+  std::optional<PleWorkspace> ple;
+  BackendBuffer xs;          // [logit rows, streams * hidden] act
+  BackendBuffer hs;          // [logit rows, hidden] act
+  BackendBuffer logits;      // [logit rows, vocab] fp32
+  BackendBuffer non_finite;  // [2] unsigned long long
+};
+
+bool is_qwen4exp(const ModelConfig& config) {
+  return config.qwen4exp.has_value();
+}
+
+Qwen4ExpModel::Qwen4ExpModel() = default;
+Qwen4ExpModel::~Qwen4ExpModel() = default;
+
+Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckpt, Backend& backend,
+                                                           const ModelOptions& options) {
+  const ModelConfig& config = ckpt.config();
+  const std::string config_path = (ckpt.dir() / "config.json").string();
+  if (!config.qwen4exp) {
+    return Status::error(cat(config_path, ": not a Qwen4Exp config"));
+  }
+  const Qwen4ExpConfig& q = *config.qwen4exp;
+  if (!backend.has_hybrid_ops()) {
+    return Status::error(cat("the ", backend.name(),
+                             " backend does not run the Qwen4Exp layers yet (GatedDeltaNet, QSA "
+                             "indexer, MoE, hyper-connections, PLE); use --device cpu"));
+  }
+  if (q.hidden_act != "silu") {
+    return Status::error(cat(config_path, ": hidden_act is \"", q.hidden_act,
+                             "\"; the Qwen4Exp runtime implements silu (the family's only "
+                             "activation in transformers 5.17)"));
+  }
+  const bool has_qsa = config.count_layers(LayerKind::kQsaAttention) > 0;
+  for (size_t i = 0; i < config.layers.size(); ++i) {
+    if (config.layers[i] != LayerKind::kQsaAttention &&
+        config.layers[i] != LayerKind::kLinearAttention) {
+      return Status::error(cat(config_path, ": layer ", i, " is ",
+                               layer_kind_name(config.layers[i]),
+                               "; Qwen4Exp layers are linear_attention or QSA attention"));
+    }
+  }
+  if (has_qsa && options.block_size % config.qsa->ratio != 0) {
+    return Status::option_error(
+        "block_size",
+        cat(options.block_size, " is not a multiple of indexer_compress_ratio ", config.qsa->ratio,
+            " (", config_path, "): compressed index rows are paged with the main blocks"));
+  }
+
+  std::unique_ptr<Qwen4ExpModel> model(new Qwen4ExpModel());
+  Qwen4ExpModel& m = *model;
+  m.config_ = config;
+  m.backend_ = &backend;
+  m.options_ = options;
+  E4KV_ASSIGN_OR_RETURN(m.limits_,
+                        model_limits(options, config.max_position_embeddings, config_path));
+  const ModelLimits& limits = m.limits_;
+  m.slots_ = SequenceSlots(limits.max_seqs);
+  E4KV_ASSIGN_OR_RETURN(m.rope_, make_rope_table(config));
+  E4KV_ASSIGN_OR_RETURN(m.kv_scales_,
+                        load_kv_scales(ckpt, options.kv_cache_dtype, options.kv_scales_mode));
+
+  // ---- shapes ----
+  const int64_t hidden = config.hidden_size;
+  const int64_t vocab = config.vocab_size;
+  const float eps = static_cast<float>(config.rms_norm_eps);
+  m.hc_shape_ = HyperConnectionShape{hidden, q.hc_count, q.hc_lowrank, eps};
+  if (has_qsa) {
+    QsaAttentionShape& s = m.qsa_shape_;
+    s.hidden = hidden;
+    s.n_heads = config.n_heads;
+    s.n_kv_heads = config.n_kv_heads;
+    s.head_dim = config.head_dim;
+    s.rotary_dim = m.rope_.rotary_dim;
+    s.n_index_heads = config.qsa->n_index_heads;
+    s.index_dim = config.qsa->index_dim;
+    s.budget = config.qsa->budget;
+    s.ratio = config.qsa->ratio;
+    s.bias = config.attention_bias;
+    s.eps = eps;
+  }
+  DeltaNetShape& dn = m.delta_net_shape_;
+  dn.hidden = hidden;
+  dn.n_k_heads = q.linear_num_key_heads;
+  dn.n_v_heads = q.linear_num_value_heads;
+  dn.head_k_dim = q.linear_key_head_dim;
+  dn.head_v_dim = q.linear_value_head_dim;
+  dn.conv_kernel = q.linear_conv_kernel_dim;
+  dn.sigmoid_gate = q.output_gate_type == "sigmoid";
+  dn.eps = eps;
+  MoeShape moe;
+  moe.hidden = hidden;
+  moe.n_experts = q.num_experts;
+  moe.top_k = q.num_experts_per_tok;
+  moe.inter = q.moe_intermediate_size;
+  moe.shared_inter = q.shared_expert_intermediate_size;
+  moe.norm_topk_prob = q.norm_topk_prob;
+  PleShape& ps = m.ple_shape_;
+  ps.hidden = hidden;
+  ps.streams = q.hc_count;
+  ps.embed_dim = q.ple_embed_dim > 0 ? q.ple_embed_dim : hidden;
+  ps.conv_kernel = q.ple_conv_kernel_size;
+  ps.dilation = q.ngram_size;
+  ps.eps = eps;
+
+  // ---- weights ----
+  // The multimodal wrapper keeps the text model under model.language_model.
+  const bool nested = ckpt.find("model.language_model.embed_tokens.weight") != nullptr;
+  const std::string root = nested ? "model.language_model." : "model.";
+  WeightLoader weights(ckpt, backend, "qwen4_exp");
+  m.skipped_tensors_ = weights.skip_prefix("model.visual.") + weights.skip_prefix("mtp.");
+  E4KV_ASSIGN_OR_RETURN(m.embed_, weights.load(root + "embed_tokens.weight", {vocab, hidden},
+                                               "[vocab_size, hidden_size]"));
+  int64_t ple_index = 0;
+  m.layers_.resize(size_t(config.n_layers));
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    Layer& layer = m.layers_[size_t(i)];
+    const std::string p = cat(root, "layers.", i, ".");
+    if (q.has_ple(i)) {
+      E4KV_ASSIGN_OR_RETURN(PleBlock ple,
+                            PleBlock::load(ckpt, weights, p + "ple.", ps, q, vocab, ple_index++));
+      layer.ple.emplace(std::move(ple));
+    }
+    E4KV_ASSIGN_OR_RETURN(layer.attn_hc,
+                          HyperConnection::load(weights, p + "attn_hyper_connection.", m.hc_shape_,
+                                                /*inject=*/true));
+    if (config.layers[size_t(i)] == LayerKind::kQsaAttention) {
+      E4KV_ASSIGN_OR_RETURN(QsaAttentionMixer qsa,
+                            QsaAttentionMixer::load(backend, weights, p + "self_attn.",
+                                                    m.qsa_shape_, m.rope_.inv_freq.data()));
+      layer.qsa.emplace(std::move(qsa));
+    } else {
+      E4KV_ASSIGN_OR_RETURN(DeltaNetMixer mixer,
+                            DeltaNetMixer::load(weights, p + "linear_attn.", dn));
+      layer.delta_net.emplace(std::move(mixer));
+    }
+    E4KV_ASSIGN_OR_RETURN(layer.mlp_hc, HyperConnection::load(weights, p + "mlp_hyper_connection.",
+                                                              m.hc_shape_, /*inject=*/true));
+    E4KV_ASSIGN_OR_RETURN(layer.moe, MoeFfn::load(weights, p + "mlp.", moe));
+  }
+  E4KV_ASSIGN_OR_RETURN(HyperConnection final_mixer,
+                        HyperConnection::load(weights, root + "hyper_connection_mixer.",
+                                              m.hc_shape_, /*inject=*/false));
+  m.final_mixer_.emplace(std::move(final_mixer));
+  if (config.tie_word_embeddings) {
+    if (weights.has("lm_head.weight")) weights.mark_used("lm_head.weight");
+  } else {
+    E4KV_ASSIGN_OR_RETURN(
+        m.lm_head_, weights.load("lm_head.weight", {vocab, hidden}, "[vocab_size, hidden_size]"));
+  }
+  E4KV_RETURN_IF_ERROR(weights.check_all_used());
+
+  // ---- caches and state pools ----
+  const int64_t slots = limits.max_seqs;
+  m.memory_.resize(m.layers_.size());
+  for (size_t i = 0; i < m.layers_.size(); ++i) {
+    Layer& layer = m.layers_[i];
+    LayerMemory& mem = m.memory_[i];
+    if (layer.qsa) {
+      const QsaLayerCache view = m.qsa_cache(i);
+      const size_t compressed_bytes = size_t(options.n_blocks) *
+                                      size_t(view.compressed.rows_per_block()) *
+                                      size_t(view.compressed.index_dim) * 2;
+      const size_t ring_bytes = size_t(slots * m.qsa_shape_.ratio * m.qsa_shape_.index_dim) * 2;
+      for (auto [buffer, bytes] :
+           {std::pair{&mem.kv, view.kv.geometry.total_bytes()},
+            std::pair{&mem.compressed, compressed_bytes}, std::pair{&mem.rings, ring_bytes}}) {
+        Result<BackendBuffer> allocated = backend.allocate(bytes);
+        if (!allocated.ok()) {
+          return Status::error(cat("caches of QSA layer ", i, " (", options.n_blocks,
+                                   " blocks): ", allocated.message(),
+                                   "; use a shorter max model length or fewer sequences"));
+        }
+        *buffer = std::move(allocated).value();
+      }
+    } else {
+      E4KV_ASSIGN_OR_RETURN(DeltaNetState state, DeltaNetState::create(backend, dn, slots));
+      mem.delta_net.emplace(std::move(state));
+    }
+    if (layer.ple) {
+      E4KV_ASSIGN_OR_RETURN(PleState state, layer.ple->create_state(backend, slots));
+      mem.ple.emplace(std::move(state));
+    }
+  }
+
+  // ---- workspaces ----
+  E4KV_ASSIGN_OR_RETURN(StepContext step, StepContext::create(backend, limits, m.rope_.rotary_dim));
+  m.ws_.reset(new Workspace{std::move(step), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
+  Workspace& ws = *m.ws_;
+  const int64_t rows = limits.max_batch_tokens;
+  const size_t act = backend.act_size();
+  const size_t logit_rows = size_t(std::max<int64_t>(1, limits.max_logit_rows));
+  const int64_t width = m.hc_shape_.width();
+  for (auto [buffer, bytes] :
+       {std::pair{&ws.e, size_t(rows * hidden) * act}, std::pair{&ws.x, size_t(rows * width) * act},
+        std::pair{&ws.mix, size_t(rows * hidden) * act},
+        std::pair{&ws.y, size_t(rows * hidden) * act},
+        std::pair{&ws.xs, logit_rows * size_t(width) * act},
+        std::pair{&ws.hs, logit_rows * size_t(hidden) * act},
+        std::pair{&ws.logits, logit_rows * size_t(vocab) * 4},
+        std::pair{&ws.non_finite, size_t(2 * sizeof(unsigned long long))}}) {
+    E4KV_ASSIGN_OR_RETURN(*buffer, backend.allocate(bytes));
+  }
+  E4KV_ASSIGN_OR_RETURN(ws.hc, HyperConnectionWorkspace::create(backend, m.hc_shape_, rows));
+  if (has_qsa) {
+    E4KV_ASSIGN_OR_RETURN(QsaAttentionWorkspace qsa,
+                          QsaAttentionWorkspace::create(backend, m.qsa_shape_, rows));
+    ws.qsa.emplace(std::move(qsa));
+  }
+  if (config.count_layers(LayerKind::kLinearAttention) > 0) {
+    E4KV_ASSIGN_OR_RETURN(DeltaNetWorkspace delta, DeltaNetWorkspace::create(backend, dn, rows));
+    ws.delta_net.emplace(std::move(delta));
+  }
+  E4KV_ASSIGN_OR_RETURN(ws.moe, MoeWorkspace::create(backend, moe, rows));
+  if (!q.ple_layers.empty()) {
+    const int64_t heads = (q.ngram_size - 1) * q.heads_per_ngram;
+    E4KV_ASSIGN_OR_RETURN(PleWorkspace ple, PleWorkspace::create(backend, ps, heads, rows));
+    ws.ple.emplace(std::move(ple));
+  }
+  return model;
+}
+
+QsaLayerCache Qwen4ExpModel::qsa_cache(size_t layer) const {
+  QsaLayerCache cache;
+  const LayerMemory* mem = layer < memory_.size() ? &memory_[layer] : nullptr;
+  cache.kv.data = mem != nullptr ? mem->kv.data() : nullptr;
+  cache.kv.geometry.n_blocks = options_.n_blocks;
+  cache.kv.geometry.block_size = options_.block_size;
+  cache.kv.geometry.n_kv_heads = config_.n_kv_heads;
+  cache.kv.geometry.head_dim = config_.head_dim;
+  cache.kv.geometry.dtype = options_.kv_cache_dtype;
+  if (options_.kv_cache_dtype == KvCacheDtype::kE4m3 && layer < kv_scales_.k_scale.size()) {
+    cache.kv.k_scale = kv_scales_.k_scale[layer];
+    cache.kv.v_scale = kv_scales_.v_scale[layer];
+  }
+  cache.compressed.data = mem != nullptr ? mem->compressed.as<uint16_t>() : nullptr;
+  cache.compressed.n_blocks = options_.n_blocks;
+  cache.compressed.block_size = options_.block_size;
+  cache.compressed.ratio = qsa_shape_.ratio;
+  cache.compressed.index_dim = qsa_shape_.index_dim;
+  cache.rings.data = mem != nullptr ? mem->rings.as<uint16_t>() : nullptr;
+  cache.rings.n_rings = limits_.max_seqs;
+  cache.rings.cap = qsa_shape_.ratio;
+  cache.rings.index_dim = qsa_shape_.index_dim;
+  return cache;
+}
+
+ModelMemory Qwen4ExpModel::memory() const {
+  ModelMemory memory;
+  const int64_t act = int64_t(backend_->act_size());
+  for (const Layer& layer : layers_) {
+    if (layer.qsa) {
+      const QsaAttentionShape& s = qsa_shape_;
+      memory.bytes_per_token +=
+          2 * s.kv_dim() * int64_t(kv_cache_elem_bytes(options_.kv_cache_dtype));
+      // One FP16 index row per `ratio` tokens, rounded up per block (a partial group's row).
+      memory.bytes_per_token += s.index_dim * 2 / s.ratio;
+      memory.bytes_per_sequence += s.ratio * s.index_dim * 2;
+    } else {
+      memory.bytes_per_sequence +=
+          delta_net_shape_.conv_state_elems() * act + delta_net_shape_.recurrent_state_elems() * 4;
+    }
+    if (layer.ple) {
+      memory.bytes_per_sequence +=
+          ple_shape_.conv_state_elems() * act + (ple_shape_.dilation - 1) * 4;
+    }
+  }
+  return memory;
+}
+
+Result<int32_t> Qwen4ExpModel::allocate_sequence() {
+  E4KV_ASSIGN_OR_RETURN(const int32_t slot, slots_.allocate());
+  Backend& b = *backend_;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    LayerMemory& mem = memory_[i];
+    if (layers_[i].qsa) {
+      const size_t ring_bytes = size_t(qsa_shape_.ratio * qsa_shape_.index_dim) * 2;
+      b.fill_zero(mem.rings.as<std::byte>() + size_t(slot) * ring_bytes, ring_bytes);
+    }
+    if (mem.delta_net) mem.delta_net->reset(b, delta_net_shape_, slot);
+    if (mem.ple) {
+      mem.ple->reset(b, ple_shape_, slot, config_.qwen4exp->ngram_size,
+                     *config_.qwen4exp->eos_token_id);
+    }
+  }
+  return slot;
+}
+
+Status Qwen4ExpModel::free_sequence(int32_t slot) {
+  return slots_.release(slot);
+}
+
+Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
+  Backend& b = *backend_;
+  Workspace& ws = *ws_;
+  const StepContext& step = ws.step;
+  const int64_t n = step.n_rows();
+  const int64_t hidden = config_.hidden_size;
+  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
+
+  E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
+  E4KV_RETURN_IF_ERROR(b.hc_expand(ws.e.data(), n, hc_shape_.streams, hidden, ws.x.data()));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& layer = layers_[l];
+    LayerMemory& mem = memory_[l];
+    if (layer.ple) {
+      E4KV_RETURN_IF_ERROR(
+          layer.ple->forward(b, batch.token_ids, step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
+    }
+    E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    if (layer.qsa) {
+      E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
+                                              *ws.qsa, non_finite));
+    } else {
+      E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
+                                                    ws.y.data(), *mem.delta_net, *ws.delta_net));
+    }
+    E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
+    E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
+    E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
+  }
+  return ok_status();
+}
+
+Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
+  Backend& b = *backend_;
+  Workspace& ws = *ws_;
+  const ModelConfig& c = config_;
+  E4KV_RETURN_IF_ERROR(
+      ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
+  E4KV_RETURN_IF_ERROR(ws.step.build_sequences(batch, slots_));
+  const StepContext& step = ws.step;
+  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
+  b.fill_zero(non_finite, 2 * sizeof(unsigned long long));
+
+  // From here on the sequences' states change: a failure leaves them undefined.
+  Status status = run_layers(batch);
+  const int64_t m = step.n_logits();
+  const int64_t hidden = c.hidden_size;
+  std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));
+  if (status.ok() && m > 0) {
+    const int64_t width = hc_shape_.width();
+    status = b.gather_rows(ws.x.data(), step.logit_rows(), m, width, ws.xs.data());
+    if (status.ok()) status = final_mixer_->mix(b, m, ws.xs.data(), ws.hs.data(), ws.hc);
+    const void* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+    if (status.ok()) {
+      status = b.linear(ws.hs.data(), head, nullptr, m, hidden, c.vocab_size, ws.logits.data(),
+                        DType::kF32);
+    }
+    if (status.ok()) {
+      b.copy_to_host(logits.data(), ws.logits.data(), logits.size() * sizeof(float));
+    }
+  }
+  if (!status.ok()) {
+    for (int32_t slot : batch.seq_slots) slots_.poison(slot);
+    return status;
+  }
+  unsigned long long counts[2] = {0, 0};
+  b.copy_to_host(counts, non_finite, sizeof(counts));
+  step.commit_sequences(slots_);
+  if (counts[0] != 0 || counts[1] != 0) {
+    return Status::error(cat("forward: ", counts[0], " non-finite K and ", counts[1],
+                             " non-finite V values reached the KV cache (inf or NaN "
+                             "activations: the weights or the input overflow FP16)"));
+  }
+  return logits;
+}
+
+}  // namespace e4kv
