@@ -64,6 +64,31 @@ Result<KvCacheLayout> kv_cache_layout(const ModelConfig& config, int64_t block_s
           cat("raw ring capacity ", ring_cap, " is below the QSA compress ratio ", layout.ratio));
     }
   }
+  if (config.qwen4exp) {
+    // Per-sequence states of the hybrid layers (FP16 conv windows, fp32 recurrent states).
+    const Qwen4ExpConfig& q = *config.qwen4exp;
+    const int64_t conv_channels = 2 * q.linear_num_key_heads * q.linear_key_head_dim +
+                                  q.linear_num_value_heads * q.linear_value_head_dim;
+    const std::optional<int64_t> conv =
+        checked_product({q.linear_conv_kernel_dim - 1, conv_channels, 2});
+    const std::optional<int64_t> recurrent = checked_product(
+        {q.linear_num_value_heads, q.linear_key_head_dim, q.linear_value_head_dim, 4});
+    const std::optional<int64_t> ple = checked_product(
+        {q.ple_conv_kernel_size - 1, q.ngram_size, q.hc_count, config.hidden_size, 2});
+    std::optional<int64_t> total;
+    if (conv && recurrent && ple) {
+      const std::optional<int64_t> per_linear = checked_add(*conv, *recurrent);
+      const std::optional<int64_t> linear =
+          per_linear ? checked_mul(config.count_layers(LayerKind::kLinearAttention), *per_linear)
+                     : std::nullopt;
+      const std::optional<int64_t> ples = checked_mul(int64_t(q.ple_layers.size()), *ple);
+      if (linear && ples) total = checked_add(*linear, *ples);
+    }
+    if (!total) {
+      return Status::error("the per-sequence states of the model need more than 2^63 bytes");
+    }
+    layout.state_bytes_per_seq = *total;
+  }
   // Every byte count the layout reports, checked once here so its accessors cannot overflow. The
   // FP16 block is the larger one.
   const std::optional<int64_t> main_block =
@@ -94,9 +119,10 @@ Result<KvCapacity> kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype,
   }
   const int64_t block_bytes = layout.block_bytes(dtype);
   E4KV_ASSERT(block_bytes > 0, "kv_capacity: empty block");
-  const std::optional<int64_t> rings = checked_mul(reserved_seqs, layout.ring_bytes_per_seq());
+  const std::optional<int64_t> rings = checked_mul(reserved_seqs, layout.bytes_per_seq());
   if (!rings || *rings > budget_bytes) {
-    return Status::error(cat("the QSA raw rings of ", reserved_seqs, " sequences need ",
+    return Status::error(cat("the per-sequence state (QSA raw rings, recurrent states) of ",
+                             reserved_seqs, " sequences needs ",
                              rings ? cat(*rings, " bytes") : std::string("more than 2^63 bytes"),
                              ", more than the budget of ", budget_bytes, " bytes"));
   }
@@ -118,7 +144,7 @@ Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCa
   const std::optional<int64_t> blocks_bytes =
       checked_mul(out.blocks_per_request, layout.block_bytes(dtype));
   const std::optional<int64_t> bytes =
-      blocks_bytes ? checked_add(*blocks_bytes, layout.ring_bytes_per_seq()) : std::nullopt;
+      blocks_bytes ? checked_add(*blocks_bytes, layout.bytes_per_seq()) : std::nullopt;
   if (!bytes) {
     return Status::error(cat("a request of ", request_tokens,
                              " tokens needs more than 2^63 bytes of KV cache"));

@@ -12,8 +12,12 @@
 //   - Per sequence and QSA layer: the raw ring [ring_cap, index_dim] in FP16, ring_cap = ratio (4
 //     for the seed's model; 2 * ratio with speculative tokens). Rings for `reserved_seqs`
 //     sequences come off the budget before blocks are counted.
-// Not counted: weights, activations, workspaces, and the recurrent state of linear-attention layers
-// (a per-sequence constant the engine reserves with its other per-sequence state).
+//   - Per sequence, for the Qwen4Exp family: the state of every GatedDeltaNet layer (conv window
+//     [kernel - 1, conv channels] FP16 and recurrent state [value heads, key dim, value dim] fp32)
+//     and of every PLE layer (conv window [(kernel - 1) * ngram_size, hc_count * hidden] FP16), as
+//     the CUDA runtime holds them (the CPU backend holds the conv windows in fp32). Reserved with
+//     the rings.
+// Not counted: weights, activations, workspaces.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +39,7 @@ struct KvCacheLayout {
   int64_t index_dim = 0;  // 0 without QSA layers
   int64_t ratio = 0;      // tokens per compressed row; 0 without QSA layers
   int64_t ring_cap = 0;   // raw ring keys per sequence; 0 without QSA layers
+  int64_t state_bytes_per_seq = 0;  // recurrent and conv states of one sequence (all layers)
 
   // Main cache bytes per token of one KV layer: 2 (K and V) * n_kv_heads * head_dim * elem bytes.
   int64_t main_bytes_per_token_per_layer(KvCacheDtype dtype) const;
@@ -47,6 +52,8 @@ struct KvCacheLayout {
   double bytes_per_token(KvCacheDtype dtype) const;
   // Raw ring bytes of one sequence across all QSA layers: n_qsa_layers * ring_cap * index_dim * 2.
   int64_t ring_bytes_per_seq() const;
+  // Everything one sequence holds besides its blocks: rings + states.
+  int64_t bytes_per_seq() const { return ring_bytes_per_seq() + state_bytes_per_seq; }
 };
 
 // The layout of `config`'s cache; ring_cap 0 means one ring slot per key of a group (= ratio).
@@ -61,8 +68,8 @@ struct KvCapacity {
   int64_t pool_bytes = 0;  // n_blocks * block_bytes
 };
 
-// Whole blocks that fit in budget_bytes (>= 0) after the rings of reserved_seqs (>= 0) sequences.
-// Error when those rings alone need more than the budget.
+// Whole blocks that fit in budget_bytes (>= 0) after the per-sequence bytes (rings and states) of
+// reserved_seqs (>= 0) sequences. Error when those alone need more than the budget.
 Result<KvCapacity> kv_capacity(const KvCacheLayout& layout, KvCacheDtype dtype,
                                int64_t budget_bytes, int64_t reserved_seqs = 1);
 
@@ -74,7 +81,7 @@ struct RequestConcurrency {
 };
 
 // How many requests of request_tokens tokens (prompt + output) fit in the budget at once, each with
-// its own blocks (no prefix sharing) and its own raw rings. Error when request_tokens is not
+// its own blocks (no prefix sharing) and its own rings and states. Error when request_tokens is not
 // positive or one request's bytes do not fit in int64.
 Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
                                                int64_t budget_bytes, int64_t request_tokens);

@@ -101,17 +101,22 @@ TEST_F(CapacityCli, JsonAtTheSeedShapes) {
   EXPECT_EQ(j["block_bytes_fp16"], 1622016);
   EXPECT_EQ(j["block_bytes_e4m3"], 835584);
   EXPECT_EQ(j["ring_bytes_per_seq"], 12288);
-  // (42,949,672,960 - 12,288) / 1,622,016 = 26479.0 -> 26,479 blocks = 1,694,656 tokens;
-  // (42,949,672,960 - 12,288) /   835,584 = 51400.6 -> 51,400 blocks = 3,289,600 tokens.
-  EXPECT_EQ(j["tokens_fp16"], 1694656);
-  EXPECT_EQ(j["tokens_e4m3"], 3289600);
-  EXPECT_NEAR(j["ratio"].get<double>(), 3289600.0 / 1694656.0, 1e-12);
+  // The 36 GatedDeltaNet layers' states at the class defaults (16 key / 32 value heads of 128,
+  // conv 4): 36 * ((4 - 1) * 8192 * 2 + 32 * 128 * 128 * 4) = 36 * 2,146,304 = 77,266,944.
+  EXPECT_EQ(j["state_bytes_per_seq"], 77266944);
+  EXPECT_EQ(j["bytes_per_seq"], 77279232);
+  // (42,949,672,960 - 77,279,232) / 1,622,016 = 26431.3 -> 26,431 blocks = 1,691,584 tokens;
+  // (42,949,672,960 - 77,279,232) /   835,584 = 51308.0 -> 51,308 blocks = 3,283,712 tokens.
+  EXPECT_EQ(j["tokens_fp16"], 1691584);
+  EXPECT_EQ(j["tokens_e4m3"], 3283712);
+  EXPECT_NEAR(j["ratio"].get<double>(), 3283712.0 / 1691584.0, 1e-12);
   EXPECT_GT(j["ratio"].get<double>(), 1.83);
   EXPECT_EQ(j["request_tokens"], 128001);
-  EXPECT_NEAR(j["max_concurrency_fp16"].get<double>(), 42949672960.0 / 3245666304.0, 1e-9);
-  EXPECT_NEAR(j["max_concurrency_e4m3"].get<double>(), 42949672960.0 / 1672015872.0, 1e-9);
-  EXPECT_EQ(j["max_requests_fp16"], 13);
-  EXPECT_EQ(j["max_requests_e4m3"], 25);
+  // A request: 2001 blocks + 77,279,232 bytes of rings and states.
+  EXPECT_NEAR(j["max_concurrency_fp16"].get<double>(), 42949672960.0 / 3322933248.0, 1e-9);
+  EXPECT_NEAR(j["max_concurrency_e4m3"].get<double>(), 42949672960.0 / 1749282816.0, 1e-9);
+  EXPECT_EQ(j["max_requests_fp16"], 12);
+  EXPECT_EQ(j["max_requests_e4m3"], 24);
   std::printf(
       "[ capacity ] e4kv capacity --budget-gib 40: %lld FP16 vs %lld E4M3 tokens (%.4fx); "
       "128001-token requests %.2fx vs %.2fx\n",
@@ -126,12 +131,17 @@ TEST_F(CapacityCli, DefaultsAndTextOutput) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["request_tokens"], 262144);
-  EXPECT_EQ(j["tokens_fp16"], 42304);
-  EXPECT_EQ(j["tokens_e4m3"], 82240);
+  // (1 GiB - 77,279,232) / 1,622,016 -> 614 blocks; / 835,584 -> 1192 blocks.
+  EXPECT_EQ(j["tokens_fp16"], 39296);
+  EXPECT_EQ(j["tokens_e4m3"], 76288);
   r = run({"capacity", model(), "--budget-gib", "1", "--block-size", "16"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("E4M3 holds 1.942x the tokens of FP16"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("42352"), std::string::npos) << r.out;
+  // Blocks of 16: 405,504 / 208,896 bytes -> 2457 / 4770 blocks = 39,312 / 76,320 tokens.
+  EXPECT_NE(r.out.find("E4M3 holds 1.941x the tokens of FP16"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("39312"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("per sequence: 77279232 bytes (12288 QSA raw rings, 77266944 recurrent"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST_F(CapacityCli, BadInputIsOneErrorLine) {

@@ -158,5 +158,31 @@ TEST(Capacity, RejectsBadBlockSizesAndModelsWithoutKvCache) {
             std::string::npos);
 }
 
+TEST(Capacity, HybridStatesPerSequence) {
+  // The seed's shapes with the Qwen4Exp family fields at their class defaults: 36 GatedDeltaNet
+  // layers (16 key / 32 value heads of 128, conv 4) and PLE on one layer (hc 4, hidden 2048).
+  ModelConfig config = seed_config();
+  config.hidden_size = 2048;
+  Qwen4ExpConfig q;
+  q.ple_layers = {0};
+  config.qwen4exp = q;
+  const KvCacheLayout layout = kv_cache_layout(config, 64).value();
+  // DeltaNet: conv (4 - 1) * (2 * 16 * 128 + 32 * 128 = 8192) * 2 = 49,152; recurrent
+  // 32 * 128 * 128 * 4 = 2,097,152; 36 layers * 2,146,304 = 77,266,944. PLE: (4 - 1) * 3 * 4 *
+  // 2048 * 2 = 147,456. Total 77,414,400 bytes per sequence.
+  EXPECT_EQ(layout.state_bytes_per_seq, 77414400);
+  EXPECT_EQ(layout.bytes_per_seq(), 77414400 + 12288);
+  // They come off the budget with the rings: 1 GiB - 77,426,688 = 996,315,136 bytes of blocks;
+  // E4M3 blocks of 835,584 bytes: 1192 (996,016,128).
+  EXPECT_EQ(kv_capacity(layout, KvCacheDtype::kE4m3, kGib)->n_blocks, 1192);
+  // 14 sequences' states fit in 1 GiB (1,083,973,632 > 1 GiB for 14; 13: 1,006,546,944).
+  EXPECT_TRUE(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 13).ok());
+  EXPECT_NE(kv_capacity(layout, KvCacheDtype::kE4m3, kGib, 14).message().find("per-sequence"),
+            std::string::npos);
+  // A request adds its blocks to one sequence's bytes.
+  const RequestConcurrency c = *request_concurrency(layout, KvCacheDtype::kE4m3, kGib, 64);
+  EXPECT_EQ(c.bytes_per_request, 835584 + 77426688);
+}
+
 }  // namespace
 }  // namespace e4kv

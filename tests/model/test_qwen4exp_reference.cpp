@@ -252,5 +252,120 @@ TEST(Qwen4ExpReference, MatchesTransformersOnEveryCase) {
   }
 }
 
+// The first case's checkpoint, loaded with `dtype` (unit scales for E4M3: the reference
+// checkpoints carry no calibrated scales).
+struct Loaded {
+  Checkpoint ckpt;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Model> model;
+  Sequence ref;
+};
+
+Loaded load_first(KvCacheDtype dtype) {
+  const fs::path dir = case_dirs().at(0);
+  Loaded out{Checkpoint::open(dir).value(), make_cpu_backend(), nullptr,
+             read_sequence(read_json(dir / "reference.json"))};
+  ModelOptions options;
+  options.kv_cache_dtype = dtype;
+  options.kv_scales_mode = KvScalesMode::kUnit;
+  options.block_size = 16;
+  options.n_blocks = 32;
+  options.max_model_len = 256;
+  options.max_seqs = 2;
+  options.max_logit_rows = 256;
+  Result<std::unique_ptr<Model>> model = load_model(out.ckpt, *out.backend, options);
+  EXPECT_TRUE(model.ok()) << model.message();
+  if (model.ok()) out.model = std::move(model).value();
+  return out;
+}
+
+// Logits of every position of `ids` in one forward on a fresh sequence.
+Result<std::vector<float>> all_logits(Model& model, const std::vector<int32_t>& ids) {
+  BlockAllocator allocator(model.n_blocks(), model.block_size());
+  BlockTable table;
+  allocator.append(table, int64_t(ids.size()));
+  E4KV_ASSIGN_OR_RETURN(ScopedSequence sequence, ScopedSequence::allocate(model));
+  const int32_t slot = sequence.slot();
+  std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
+  const ForwardBatch batch{ids, seq, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)};
+  return model.forward(batch);
+}
+
+TEST(Qwen4ExpModel, E4m3CacheOnTheQsaLayersOnly) {
+  Loaded f16 = load_first(KvCacheDtype::kF16);
+  Loaded e4m3 = load_first(KvCacheDtype::kE4m3);
+  ASSERT_TRUE(f16.model && e4m3.model);
+  // The gate expects K and V scales for the QSA layers, not the DeltaNet ones.
+  const ModelConfig& config = e4m3.model->config();
+  EXPECT_EQ(e4m3.model->kv_scales().expected, 2 * config.count_layers(LayerKind::kQsaAttention));
+  EXPECT_EQ(e4m3.model->kv_scales().layers, config.kv_cache_layers());
+  Result<std::vector<float>> a = all_logits(*f16.model, f16.ref.ids);
+  Result<std::vector<float>> b = all_logits(*e4m3.model, e4m3.ref.ids);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.message() << b.message();
+  // E4M3 with unit scales keeps 3 mantissa bits of O(1) K/V: the logits move, but not far.
+  const double err = test::compare(*b, *a, 0.0, 0.0).rel_l2;
+  EXPECT_GT(err, 1e-4);
+  EXPECT_LT(err, 0.1);
+  // Half the main K/V bytes per token.
+  EXPECT_LT(e4m3.model->memory().bytes_per_token, f16.model->memory().bytes_per_token);
+  EXPECT_GT(f16.model->memory().bytes_per_sequence, 0);
+}
+
+TEST(Qwen4ExpModel, SequenceSlotsAreResetAndCheckedAgainstTheState) {
+  Loaded f = load_first(KvCacheDtype::kF16);
+  ASSERT_TRUE(f.model);
+  Model& model = *f.model;
+  const std::vector<int32_t> ids(f.ref.ids.begin(), f.ref.ids.begin() + 20);
+  Result<std::vector<float>> first = all_logits(model, ids);
+  Result<std::vector<float>> again = all_logits(model, ids);  // the slot, reused, is reset
+  ASSERT_TRUE(first.ok() && again.ok());
+  EXPECT_EQ(*first, *again);
+
+  BlockAllocator allocator(model.n_blocks(), model.block_size());
+  BlockTable table;
+  allocator.append(table, 8);
+  Result<ScopedSequence> held = ScopedSequence::allocate(model);
+  ASSERT_TRUE(held.ok());
+  const int32_t slot = held->slot();
+  const std::vector<int32_t> four(ids.begin(), ids.begin() + 4);
+  const std::vector<int32_t> seq(4, 0), rows = {3};
+  // Positions 4..7 on a state that has seen nothing.
+  const std::vector<int32_t> late = {4, 5, 6, 7};
+  Result<std::vector<float>> skipped =
+      model.forward({four, seq, late, {&table}, rows, std::span<const int32_t>(&slot, 1)});
+  EXPECT_NE(skipped.message().find("its state has seen 0 tokens"), std::string::npos)
+      << skipped.message();
+  // Rows out of order within the sequence.
+  const std::vector<int32_t> shuffled = {0, 2, 1, 3};
+  Result<std::vector<float>> unordered =
+      model.forward({four, seq, shuffled, {&table}, rows, std::span<const int32_t>(&slot, 1)});
+  EXPECT_NE(unordered.message().find("consecutive positions"), std::string::npos)
+      << unordered.message();
+  // No slot, and a slot that was never allocated.
+  const std::vector<int32_t> in_order = {0, 1, 2, 3};
+  EXPECT_NE(model.forward({four, seq, in_order, {&table}, rows}).message().find("state slots"),
+            std::string::npos);
+  const int32_t stray = 1 - slot;
+  EXPECT_NE(
+      model.forward({four, seq, in_order, {&table}, rows, std::span<const int32_t>(&stray, 1)})
+          .message()
+          .find("not allocated"),
+      std::string::npos);
+  // Every slot taken: a clear error naming max_seqs.
+  Result<ScopedSequence> second = ScopedSequence::allocate(model);
+  ASSERT_TRUE(second.ok());
+  Result<ScopedSequence> third = ScopedSequence::allocate(model);
+  EXPECT_EQ(third.status().option(), "max_seqs");
+  // The in-order forward works, and its last row matches the 20-token run's (to fp32 rounding:
+  // GEMM shapes and the DeltaNet chunk differ).
+  Result<std::vector<float>> good =
+      model.forward({four, seq, in_order, {&table}, rows, std::span<const int32_t>(&slot, 1)});
+  ASSERT_TRUE(good.ok()) << good.message();
+  const int64_t vocab = model.vocab_size();
+  const std::vector<float> row(first->begin() + 3 * vocab, first->begin() + 4 * vocab);
+  EXPECT_LE(test::compare(*good, row, 0.0, 0.0).rel_l2, 1e-5);
+}
+
 }  // namespace
 }  // namespace e4kv

@@ -99,6 +99,8 @@ Status run_capacity(const CapacityArgs& args) {
     out["budget_bytes"] = budget_bytes;
     out["reserved_seqs"] = args.reserved_seqs;
     out["ring_bytes_per_seq"] = layout.ring_bytes_per_seq();
+    out["state_bytes_per_seq"] = layout.state_bytes_per_seq;
+    out["bytes_per_seq"] = layout.bytes_per_seq();
     out["main_bytes_per_token_per_layer_fp16"] =
         layout.main_bytes_per_token_per_layer(KvCacheDtype::kF16);
     out["main_bytes_per_token_per_layer_e4m3"] =
@@ -154,6 +156,12 @@ Status run_capacity(const CapacityArgs& args) {
         static_cast<long long>(layout.index_bytes_per_block_per_layer()),
         static_cast<long long>(layout.ring_bytes_per_seq()));
   }
+  if (layout.state_bytes_per_seq > 0) {
+    std::printf("per sequence: %lld bytes (%lld QSA raw rings, %lld recurrent and conv states)\n",
+                static_cast<long long>(layout.bytes_per_seq()),
+                static_cast<long long>(layout.ring_bytes_per_seq()),
+                static_cast<long long>(layout.state_bytes_per_seq));
+  }
   if (ratio > 0.0) std::printf("E4M3 holds %.3fx the tokens of FP16\n", ratio);
   if (request_tokens) {
     std::printf("requests of %lld tokens: max concurrency %.2fx FP16, %.2fx E4M3\n",
@@ -181,8 +189,9 @@ void add_capacity_command(CLI::App& app, Status& result) {
   cmd->add_option("--block-size", args->block_size, "Tokens per block (a multiple of 16)")
       ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
-  cmd->add_option("--max-seqs", args->reserved_seqs,
-                  "Sequences whose QSA raw rings are reserved before counting blocks")
+  cmd->add_option(
+         "--max-seqs", args->reserved_seqs,
+         "Sequences whose QSA raw rings and recurrent states are reserved before counting blocks")
       ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
