@@ -491,6 +491,13 @@ Status read_qwen4exp(const Fields& text, const Fields& top, ModelConfig& config)
     }
     q.eos_token_id = eos->get<int64_t>();
   }
+  // The multimodal wrapper's media placeholders (top level): the text runtime refuses them.
+  for (const char* key : {"image_token_id", "video_token_id"}) {
+    const json* id = top.get(key);
+    if (id != nullptr && id->is_number_integer() && id->get<int64_t>() >= 0) {
+      q.media_token_ids.push_back(id->get<int64_t>());
+    }
+  }
   config.qwen4exp = q;
   return ok_status();
 }

@@ -85,6 +85,10 @@ struct Qwen4ExpConfig {
   int64_t seed = 1234;
   int64_t split_ngram_parts = 512;
   std::optional<int64_t> eos_token_id;  // the first when config.json gives a list
+  // image_token_id / video_token_id of the multimodal wrapper (top level of config.json): image
+  // and video inputs are not run (the vision tower is skipped), so prompts holding them are
+  // refused.
+  std::vector<int64_t> media_token_ids;
 
   bool has_ple(int64_t layer) const;
 };

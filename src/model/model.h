@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -106,6 +107,10 @@ class Model {
   // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
   // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs
   // holds one; free it when the sequence ends. Errors when every slot is taken.
+  // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
+  // the text model skips.
+  virtual std::vector<std::string> load_notes() const { return {}; }
+
   virtual Result<int32_t> allocate_sequence() = 0;
   virtual Status free_sequence(int32_t slot) = 0;
 };

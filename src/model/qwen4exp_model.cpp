@@ -286,6 +286,13 @@ ModelMemory Qwen4ExpModel::memory() const {
   return memory;
 }
 
+std::vector<std::string> Qwen4ExpModel::load_notes() const {
+  if (skipped_tensors_ == 0) return {};
+  return {cat("skipped ", skipped_tensors_,
+              " checkpoint tensors of the vision tower and multi-token-prediction head (the text "
+              "model runs alone)")};
+}
+
 Result<int32_t> Qwen4ExpModel::allocate_sequence() {
   E4KV_ASSIGN_OR_RETURN(const int32_t slot, slots_.allocate());
   Backend& b = *backend_;
@@ -348,6 +355,15 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
   E4KV_RETURN_IF_ERROR(
       ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
   E4KV_RETURN_IF_ERROR(ws.step.build_sequences(batch, slots_));
+  for (size_t r = 0; r < batch.token_ids.size(); ++r) {
+    const int64_t id = batch.token_ids[r];
+    const std::vector<int64_t>& media = c.qwen4exp->media_token_ids;
+    if (std::find(media.begin(), media.end(), id) != media.end()) {
+      return Status::error(cat("token id ", id, " (row ", r,
+                               ") is an image or video placeholder; e4kv runs the text model of "
+                               "Qwen4Exp only (the vision tower is not loaded): give text input"));
+    }
+  }
   const StepContext& step = ws.step;
   unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
   b.fill_zero(non_finite, 2 * sizeof(unsigned long long));

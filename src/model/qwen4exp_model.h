@@ -67,6 +67,7 @@ class Qwen4ExpModel final : public Model {
 
   // Tensors of the checkpoint the text model does not run (vision tower, MTP head), skipped.
   int64_t skipped_tensors() const { return skipped_tensors_; }
+  std::vector<std::string> load_notes() const override;
 
  private:
   struct Layer {

@@ -35,50 +35,19 @@
 #include "io/checkpoint.h"
 #include "model/qwen4exp_model.h"
 #include "testing/compare.h"
+#include "testing/hf_qwen4exp.h"
 
 namespace e4kv {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
+using test::Checker;
+using test::read_json;
+using test::read_sequence;
+using test::run_chunked;
+using test::Sequence;
 
-const fs::path kDataDir = fs::path(E4KV_SOURCE_DIR) / "tests" / "data" / "hf_qwen4exp";
-constexpr double kMaxRelL2 = 1e-3;
-
-json read_json(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-}
-
-std::vector<fs::path> case_dirs() {
-  std::vector<fs::path> dirs;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(kDataDir, ec)) {
-    if (entry.is_directory() && fs::exists(entry.path() / "reference.json")) {
-      dirs.push_back(entry.path());
-    }
-  }
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
-}
-
-struct Sequence {
-  std::vector<int32_t> ids;
-  std::vector<std::vector<double>> logits;
-  std::set<int64_t> tie_affected;
-};
-
-Sequence read_sequence(const json& j) {
-  Sequence s;
-  s.ids = j["input_ids"].get<std::vector<int32_t>>();
-  s.logits = j["logits"].get<std::vector<std::vector<double>>>();
-  for (int64_t p : j["qsa_tie_affected_positions"].get<std::vector<int64_t>>()) {
-    s.tie_affected.insert(p);
-  }
-  return s;
-}
+const fs::path& kDataDir = test::qwen4exp_reference_dir();
 
 Result<std::unique_ptr<Model>> load(const Checkpoint& ckpt, Backend& backend, int64_t tokens,
                                     int64_t logit_rows) {
@@ -93,64 +62,15 @@ Result<std::unique_ptr<Model>> load(const Checkpoint& ckpt, Backend& backend, in
   return load_model(ckpt, backend, options);
 }
 
-// Checks rows of `got` ([n, vocab] for positions first..first+n-1) against the reference.
-struct Checker {
-  std::string what;
-  double worst = 0.0;
-  int64_t excluded = 0;
-
-  void check(const std::vector<float>& got, int64_t vocab, const Sequence& ref, int64_t first) {
-    const int64_t n = int64_t(got.size()) / vocab;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = first + i;
-      if (ref.tie_affected.count(pos) != 0) {
-        ++excluded;
-        continue;
-      }
-      const std::vector<float> row(got.begin() + i * vocab, got.begin() + (i + 1) * vocab);
-      const double err = test::compare(row, ref.logits[size_t(pos)], 0.0, 0.0).rel_l2;
-      worst = std::max(worst, err);
-      EXPECT_LE(err, kMaxRelL2) << what << ": position " << pos;
-    }
-  }
-};
-
-// Runs `ref` through one sequence in forwards of `chunk` tokens (all of them: chunk <= 0),
-// checking every row's logits.
-void run_chunked(Model& model, const Sequence& ref, int64_t chunk, Checker& checker) {
-  const int64_t total = int64_t(ref.ids.size());
-  if (chunk <= 0) chunk = total;
-  BlockAllocator allocator(model.n_blocks(), model.block_size());
-  BlockTable table;
-  Result<ScopedSequence> sequence = ScopedSequence::allocate(model);
-  ASSERT_TRUE(sequence.ok()) << sequence.message();
-  const int32_t slot = sequence->slot();
-  for (int64_t begin = 0; begin < total; begin += chunk) {
-    const int64_t n = std::min(chunk, total - begin);
-    allocator.append(table, n);
-    std::vector<int32_t> ids(ref.ids.begin() + begin, ref.ids.begin() + begin + n);
-    std::vector<int32_t> seq(static_cast<size_t>(n), 0), pos(static_cast<size_t>(n)),
-        rows(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      pos[size_t(i)] = int32_t(begin + i);
-      rows[size_t(i)] = int32_t(i);
-    }
-    const ForwardBatch batch{ids, seq, pos, {&table}, rows, std::span<const int32_t>(&slot, 1)};
-    Result<std::vector<float>> got = model.forward(batch);
-    ASSERT_TRUE(got.ok()) << checker.what << ": " << got.message();
-    checker.check(*got, model.vocab_size(), ref, begin);
-  }
-}
-
 void check_case(const fs::path& dir) {
-  const json ref = read_json(dir / "reference.json");
+  const nlohmann::json ref = read_json(dir / "reference.json");
   ASSERT_FALSE(ref.is_discarded()) << dir << "/reference.json is not valid JSON";
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.message();
   auto backend = make_cpu_backend();
   const Sequence whole = read_sequence(ref);
   std::vector<Sequence> batch;
-  for (const json& s : ref["batch"]["sequences"]) batch.push_back(read_sequence(s));
+  for (const nlohmann::json& s : ref["batch"]["sequences"]) batch.push_back(read_sequence(s));
 
   int64_t total = 0;
   for (const Sequence& s : batch) total += int64_t(s.ids.size());
@@ -244,7 +164,7 @@ TEST(Qwen4ExpReference, MatchesTransformersOnEveryCase) {
       << kDataDir.string()
       << " does not exist: generate it on the GPU machine with `python3 "
          "scripts/hf_reference_qwen4exp.py` and commit it";
-  const std::vector<fs::path> dirs = case_dirs();
+  const std::vector<fs::path> dirs = test::qwen4exp_cases();
   ASSERT_GE(dirs.size(), 6u) << kDataDir.string() << " holds fewer than the six reference cases";
   for (const fs::path& dir : dirs) {
     SCOPED_TRACE(dir.filename().string());
@@ -262,7 +182,7 @@ struct Loaded {
 };
 
 Loaded load_first(KvCacheDtype dtype) {
-  const fs::path dir = case_dirs().at(0);
+  const fs::path dir = test::qwen4exp_cases().at(0);
   Loaded out{Checkpoint::open(dir).value(), make_cpu_backend(), nullptr,
              read_sequence(read_json(dir / "reference.json"))};
   ModelOptions options;
@@ -365,6 +285,32 @@ TEST(Qwen4ExpModel, SequenceSlotsAreResetAndCheckedAgainstTheState) {
   const int64_t vocab = model.vocab_size();
   const std::vector<float> row(first->begin() + 3 * vocab, first->begin() + 4 * vocab);
   EXPECT_LE(test::compare(*good, row, 0.0, 0.0).rel_l2, 1e-5);
+}
+
+TEST(Qwen4ExpModel, MultimodalCheckpointRunsItsTextModelAndRefusesMediaTokens) {
+  for (const fs::path& dir : test::qwen4exp_cases()) {
+    if (!dir.filename().string().starts_with("cg_")) continue;
+    SCOPED_TRACE(dir.filename().string());
+    Result<Checkpoint> ckpt = Checkpoint::open(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+    auto backend = make_cpu_backend();
+    ModelOptions options;
+    options.block_size = 16;
+    options.n_blocks = 8;
+    options.max_model_len = 64;
+    Result<std::unique_ptr<Qwen4ExpModel>> model = Qwen4ExpModel::load(*ckpt, *backend, options);
+    ASSERT_TRUE(model.ok()) << model.message();
+    // The reference checkpoints carry a small vision tower: 21 tensors, skipped and said once.
+    EXPECT_EQ((*model)->skipped_tensors(), 21);
+    ASSERT_EQ((*model)->load_notes().size(), 1u);
+    EXPECT_NE((*model)->load_notes()[0].find("skipped 21 checkpoint tensors"), std::string::npos);
+    const std::vector<int64_t>& media = (*model)->config().qwen4exp->media_token_ids;
+    ASSERT_EQ(media.size(), 2u);  // image_token_id, video_token_id
+    const std::vector<int32_t> ids = {5, int32_t(media[0]), 7};
+    Result<std::vector<float>> logits = all_logits(**model, ids);
+    EXPECT_NE(logits.message().find("image or video placeholder"), std::string::npos)
+        << logits.message();
+  }
 }
 
 }  // namespace

@@ -112,6 +112,9 @@ Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t 
   }
   E4KV_ASSIGN_OR_RETURN(loaded.model,
                         e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
+  for (const std::string& note : loaded.model->load_notes()) {
+    std::fprintf(stderr, "e4kv: %s\n", note.c_str());
+  }
   if (dtype == KvCacheDtype::kE4m3) {
     std::fprintf(stderr, "e4kv: %s\n", loaded.model->kv_scales().summary.c_str());
   }

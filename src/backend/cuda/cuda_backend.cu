@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -16,7 +17,11 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/model_ops.cuh"
 #include "backend/cuda/paged_attention.cuh"
+#include "backend/cuda/qsa_index_scores.cuh"
+#include "backend/cuda/qsa_indexer_write.cuh"
+#include "backend/cuda/qsa_topk.cuh"
 #include "core/half.h"
+#include "core/norm_rope.h"
 
 namespace e4kv {
 namespace {
@@ -48,6 +53,8 @@ class CudaBackend final : public Backend {
     E4KV_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
   }
   ~CudaBackend() override {
+    cudaFree(scores_);
+    cudaFree(rope_table_);
     cublasDestroy(cublas_);
     cudaStreamDestroy(stream_);
   }
@@ -203,6 +210,68 @@ class CudaBackend final : public Backend {
     return attention_.run(params, host_rows, stream_);
   }
 
+  // ---- hybrid-model ops ----
+  Status qsa_indexer_write(const IndexerCompressedView& compressed, const IndexerRingView& rings,
+                           const uint16_t* index_k, const SequenceRowsView& seqs,
+                           const BlockTableView& block_table,
+                           const IndexerKeyNormRope& norm_rope) override {
+    int64_t max_tokens = 0;
+    int64_t max_end = 0;
+    for (int64_t s = 0; s < seqs.n_seqs; ++s) {
+      const int64_t n = seqs.host_row_begin[s + 1] - seqs.host_row_begin[s];
+      max_tokens = std::max(max_tokens, n);
+      max_end = std::max(max_end, seqs.host_start_pos[s] + n);
+    }
+    if (max_tokens == 0) return ok_status();
+    E4KV_RETURN_IF_ERROR(ensure_rope_table(norm_rope.inv_freq, norm_rope.rotary_dim, max_end));
+    cuda::QsaIndexerWriteArgs args;
+    args.compressed = compressed;
+    args.rings = rings;
+    args.batch.index_k = index_k;
+    args.batch.token_offsets = seqs.row_begin;
+    args.batch.start_pos = seqs.start_pos;
+    args.batch.ring_index = seqs.state_slot;
+    args.batch.n_seqs = seqs.n_seqs;
+    args.batch.block_tables = block_table;
+    args.norm_weight = norm_rope.norm_weight;
+    args.eps = norm_rope.eps;
+    args.rotary_dim = norm_rope.rotary_dim;
+    args.rope_table = rope_table_;
+    args.n_rope_positions = rope_positions_;
+    args.max_tokens_per_seq = max_tokens;
+    return cuda::qsa_indexer_write(args, stream_);
+  }
+
+  Status qsa_select(const QsaSelectionConfig& config, const IndexerCompressedView& compressed,
+                    const BlockTableView& block_table, const QueryBatchView& rows,
+                    const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts) override {
+    if (rows.n_rows == 0) return ok_status();
+    // Every row's visible groups lie within its block-table row.
+    const int64_t max_groups =
+        std::max<int64_t>(1, block_table.max_blocks_per_seq * compressed.rows_per_block());
+    E4KV_RETURN_IF_ERROR(
+        ensure(&scores_, &scores_bytes_, size_t(rows.n_rows) * size_t(max_groups) * sizeof(float)));
+    cuda::QsaIndexScoresArgs scores;
+    scores.compressed = compressed;
+    scores.block_table = block_table;
+    scores.rows = rows;
+    scores.index_q = index_q;
+    scores.n_index_heads = config.n_index_heads;
+    scores.max_groups = max_groups;
+    scores.skip_visible_at_most = qsa_top_k(config.budget, compressed.ratio);
+    scores.scores = static_cast<float*>(scores_);
+    E4KV_RETURN_IF_ERROR(cuda::qsa_index_scores(scores, stream_));
+    cuda::QsaTopKArgs top_k;
+    top_k.rows = rows;
+    top_k.ratio = compressed.ratio;
+    top_k.budget = config.budget;
+    top_k.scores = static_cast<const float*>(scores_);
+    top_k.max_groups = max_groups;
+    top_k.sel_tokens = sel_tokens;
+    top_k.sel_counts = sel_counts;
+    return cuda::qsa_top_k_select(top_k, stream_);
+  }
+
  protected:
   void release(void* data) override { cudaFree(data); }
 
@@ -211,6 +280,59 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   cuda::PagedAttentionRunner attention_;
+
+  // Grows a device buffer to `bytes` (kept across calls).
+  Status ensure(void** buffer, size_t* capacity, size_t bytes) {
+    if (bytes <= *capacity) return ok_status();
+    if (*buffer != nullptr) {
+      E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      cudaFree(*buffer);
+      *buffer = nullptr;
+      *capacity = 0;
+    }
+    const size_t grown = std::max(bytes, 2 * *capacity);
+    if (cudaMalloc(buffer, grown) != cudaSuccess) {
+      (void)cudaGetLastError();
+      *buffer = nullptr;
+      return Status::error(cat("cuda backend: cannot allocate ", grown, " bytes of workspace"));
+    }
+    *capacity = grown;
+    return ok_status();
+  }
+
+  // The QSA indexer's RoPE table (cos then sin per position, fp32) for positions [0, n).
+  Status ensure_rope_table(const double* inv_freq, int64_t rotary_dim, int64_t n) {
+    if (inv_freq == rope_inv_freq_ && rotary_dim == rope_dim_ && n <= rope_positions_) {
+      return ok_status();
+    }
+    const int64_t positions = std::max<int64_t>({n, 2 * rope_positions_, 4096});
+    const int64_t half = rotary_dim / 2;
+    std::vector<float> table(size_t(positions * rotary_dim));
+    for (int64_t p = 0; p < positions; ++p) {
+      float* row = table.data() + p * rotary_dim;
+      rope_cos_sin(p, inv_freq, half, row, row + half);
+    }
+    size_t capacity = rope_bytes_;
+    void* buffer = rope_table_;
+    E4KV_RETURN_IF_ERROR(ensure(&buffer, &capacity, table.size() * sizeof(float)));
+    rope_table_ = static_cast<float*>(buffer);
+    rope_bytes_ = capacity;
+    E4KV_CUDA_CHECK(cudaMemcpyAsync(rope_table_, table.data(), table.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+    E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    rope_inv_freq_ = inv_freq;
+    rope_dim_ = rotary_dim;
+    rope_positions_ = positions;
+    return ok_status();
+  }
+
+  void* scores_ = nullptr;
+  size_t scores_bytes_ = 0;
+  float* rope_table_ = nullptr;
+  size_t rope_bytes_ = 0;
+  const double* rope_inv_freq_ = nullptr;
+  int64_t rope_dim_ = 0;
+  int64_t rope_positions_ = 0;
 };
 
 }  // namespace

@@ -1,0 +1,115 @@
+// Reading the transformers Qwen4Exp references (tests/data/hf_qwen4exp, made by
+// scripts/hf_reference_qwen4exp.py) and checking a model's logits against them, for the CPU and
+// CUDA model tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kv/block_allocator.h"
+#include "model/model.h"
+#include "testing/compare.h"
+
+namespace e4kv::test {
+
+inline const std::filesystem::path& qwen4exp_reference_dir() {
+  static const std::filesystem::path dir =
+      std::filesystem::path(E4KV_SOURCE_DIR) / "tests" / "data" / "hf_qwen4exp";
+  return dir;
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+}
+
+inline std::vector<std::filesystem::path> qwen4exp_cases() {
+  std::vector<std::filesystem::path> dirs;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(qwen4exp_reference_dir(), ec)) {
+    if (entry.is_directory() && std::filesystem::exists(entry.path() / "reference.json")) {
+      dirs.push_back(entry.path());
+    }
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+struct Sequence {
+  std::vector<int32_t> ids;
+  std::vector<std::vector<double>> logits;
+  std::set<int64_t> tie_affected;
+};
+
+inline Sequence read_sequence(const nlohmann::json& j) {
+  Sequence s;
+  s.ids = j["input_ids"].get<std::vector<int32_t>>();
+  s.logits = j["logits"].get<std::vector<std::vector<double>>>();
+  for (int64_t p : j["qsa_tie_affected_positions"].get<std::vector<int64_t>>()) {
+    s.tie_affected.insert(p);
+  }
+  return s;
+}
+
+// Checks rows of `got` ([n, vocab] for positions first..first+n-1) against the reference.
+struct Checker {
+  std::string what;
+  double max_rel_l2 = 1e-3;
+  double worst = 0.0;
+  int64_t excluded = 0;
+
+  void check(const std::vector<float>& got, int64_t vocab, const Sequence& ref, int64_t first) {
+    const int64_t n = int64_t(got.size()) / vocab;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = first + i;
+      if (ref.tie_affected.count(pos) != 0) {
+        ++excluded;
+        continue;
+      }
+      const std::vector<float> row(got.begin() + i * vocab, got.begin() + (i + 1) * vocab);
+      const double err = compare(row, ref.logits[size_t(pos)], 0.0, 0.0).rel_l2;
+      worst = std::max(worst, err);
+      EXPECT_LE(err, max_rel_l2) << what << ": position " << pos;
+    }
+  }
+};
+
+// Runs `ref` through one sequence in forwards of `chunk` tokens (all of them: chunk <= 0),
+// checking every row's logits.
+inline void run_chunked(Model& model, const Sequence& ref, int64_t chunk, Checker& checker) {
+  const int64_t total = int64_t(ref.ids.size());
+  if (chunk <= 0) chunk = total;
+  BlockAllocator allocator(model.n_blocks(), model.block_size());
+  BlockTable table;
+  Result<ScopedSequence> sequence = ScopedSequence::allocate(model);
+  ASSERT_TRUE(sequence.ok()) << sequence.message();
+  const int32_t slot = sequence->slot();
+  for (int64_t begin = 0; begin < total; begin += chunk) {
+    const int64_t n = std::min(chunk, total - begin);
+    allocator.append(table, n);
+    std::vector<int32_t> ids(ref.ids.begin() + begin, ref.ids.begin() + begin + n);
+    std::vector<int32_t> seq(static_cast<size_t>(n), 0), pos(static_cast<size_t>(n)),
+        rows(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      pos[size_t(i)] = int32_t(begin + i);
+      rows[size_t(i)] = int32_t(i);
+    }
+    const ForwardBatch batch{ids, seq, pos, {&table}, rows, std::span<const int32_t>(&slot, 1)};
+    Result<std::vector<float>> got = model.forward(batch);
+    ASSERT_TRUE(got.ok()) << checker.what << ": " << got.message();
+    checker.check(*got, model.vocab_size(), ref, begin);
+  }
+}
+
+}  // namespace e4kv::test
