@@ -53,7 +53,7 @@ Status Backend::qsa_select(const QsaSelectionConfig&, const IndexerCompressedVie
                            int32_t*) {
   return no_hybrid_op(*this, "qsa_select");
 }
-Status Backend::moe_route(const void*, int64_t, int64_t, int64_t, bool, int32_t*, float*) {
+Status Backend::moe_route(const float*, int64_t, int64_t, int64_t, bool, int32_t*, float*) {
   return no_hybrid_op(*this, "moe_route");
 }
 Status Backend::moe_experts(const void*, const void*, const void*, int64_t, int64_t, int64_t,

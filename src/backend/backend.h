@@ -235,9 +235,10 @@ class Backend {
                             const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts);
 
   // MoE router (backend/cpu/moe.h): softmax over n_experts, top_k (ties: lower id), optional
-  // renormalisation. logits: [n_rows, n_experts] act; ids: [n_rows, top_k] int32;
+  // renormalisation. logits: [n_rows, n_experts] fp32 (the router projection with fp32 output:
+  // FP16 logits would reorder experts closer than their rounding); ids: [n_rows, top_k] int32;
   // weights: [n_rows, top_k] fp32
-  virtual Status moe_route(const void* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
+  virtual Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
                            bool norm_topk_prob, int32_t* ids, float* weights);
   // Routed experts: out[r] = sum_j weights[r, j] * down_e(silu(gate_e x) * up_e x).
   // x: [n_rows, hidden] act; gate_up: [n_experts, 2 * inter, hidden] act (gate rows first);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,34 @@ TEST_F(GenerateCli, BadFlagsGiveClearErrors) {
                "built without the CUDA backend");
 #endif
   expect_error(run({"generate", "--prompt-ids", "1", "--device", "tpu"}), "--device");
+}
+
+// The Qwen4Exp family through the CLI: a transformers reference checkpoint (the multimodal
+// layout, no tokenizer) runs `generate --prompt-ids` and `logits` on the CPU, FP16 and E4M3
+// (unit scales), with the greedy tokens transformers produced.
+TEST(Qwen4ExpCli, GenerateAndLogitsOnATransformersCheckpoint) {
+  const fs::path dir = fs::path(E4KV_SOURCE_DIR) / "tests" / "data" / "hf_qwen4exp" /
+                       "cg_f32_hd64_mha_r2k6_hc2_top1";
+  std::ifstream in(dir / "reference.json");
+  const json ref = json::parse(in);
+  std::string prompt;
+  for (int id : ref["greedy"]["prompt_ids"])
+    prompt += (prompt.empty() ? "" : ",") + std::to_string(id);
+  const std::vector<int> expected = ref["greedy"]["output_ids"].get<std::vector<int>>();
+  TempDir tmp;
+  RunResult r =
+      run_cli(tmp.path(), {"generate", dir.string(), "--prompt-ids", prompt, "--max-tokens",
+                           std::to_string(expected.size()), "--json", "--ignore-eos"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("skipped 21 checkpoint tensors of the vision tower"), std::string::npos)
+      << r.err;
+  const json out = json::parse(r.out);
+  EXPECT_EQ(out["output_ids"].get<std::vector<int>>(), expected);
+  r = run_cli(tmp.path(), {"logits", dir.string(), "--ids", prompt, "--kv-cache-dtype", "fp8_e4m3",
+                           "--kv-scales", "unit", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("NEGATIVE CONTROL"), std::string::npos) << r.err;
+  EXPECT_EQ(json::parse(r.out)["logits"].size(), ref["greedy"]["prompt_ids"].size());
 }
 
 }  // namespace

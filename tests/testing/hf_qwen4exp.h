@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <string>
@@ -50,6 +51,10 @@ struct Sequence {
   std::vector<int32_t> ids;
   std::vector<std::vector<double>> logits;
   std::set<int64_t> tie_affected;
+  // The reference's near ties (near_ties()): positions of the last QSA layer's small boundary
+  // gaps, and the first position with a small gap in an earlier QSA layer or the router.
+  nlohmann::json qsa;              // {layer: {"boundary_gap": [...]}}
+  std::vector<double> router_gap;  // [positions]
 };
 
 inline Sequence read_sequence(const nlohmann::json& j) {
@@ -59,26 +64,73 @@ inline Sequence read_sequence(const nlohmann::json& j) {
   for (int64_t p : j["qsa_tie_affected_positions"].get<std::vector<int64_t>>()) {
     s.tie_affected.insert(p);
   }
+  if (j.contains("qsa")) s.qsa = j["qsa"];
+  if (j.contains("router_min_gap")) s.router_gap = j["router_min_gap"].get<std::vector<double>>();
   return s;
 }
 
-// Checks rows of `got` ([n, vocab] for positions first..first+n-1) against the reference.
+// Where a backend whose activations carry more rounding than the reference's may choose other
+// QSA blocks or experts: the positions whose k-th minus (k+1)-th block score in the last QSA
+// layer is below `tau` (that row alone differs), and from the first position with such a gap in an
+// earlier QSA layer, or a router gap below `tau`, on (DeltaNet states and later layers' keys carry
+// the other choice to every later position).
+struct NearTies {
+  std::set<int64_t> rows;
+  int64_t from = std::numeric_limits<int64_t>::max();
+
+  bool covers(int64_t pos) const { return pos >= from || rows.count(pos) != 0; }
+};
+
+inline NearTies near_ties(const Sequence& s, double tau) {
+  NearTies out;
+  int64_t last = -1;
+  for (const auto& [layer, record] : s.qsa.items())
+    last = std::max<int64_t>(last, std::stoll(layer));
+  for (const auto& [layer, record] : s.qsa.items()) {
+    const nlohmann::json& gaps = record["boundary_gap"];
+    for (size_t p = 0; p < gaps.size(); ++p) {
+      if (gaps[p].is_null() || gaps[p].get<double>() >= tau) continue;
+      if (std::stoll(layer) == last) {
+        out.rows.insert(int64_t(p));
+      } else {
+        out.from = std::min(out.from, int64_t(p));
+      }
+    }
+  }
+  for (size_t p = 0; p < s.router_gap.size(); ++p) {
+    if (s.router_gap[p] < tau) out.from = std::min(out.from, int64_t(p));
+  }
+  return out;
+}
+
+// Checks rows of `got` ([n, vocab] for positions first..first+n-1) against the reference. With
+// near_tie_tau > 0, a row over the bound that near_ties() covers is counted in `near_tie_rows`
+// instead of failing (the caller bounds how many there may be); any other row over it fails.
 struct Checker {
   std::string what;
   double max_rel_l2 = 1e-3;
-  double worst = 0.0;
+  double near_tie_tau = 0.0;
+  double worst = 0.0;  // over the rows held to the bound
   int64_t excluded = 0;
+  int64_t checked = 0;
+  int64_t near_tie_rows = 0;
 
   void check(const std::vector<float>& got, int64_t vocab, const Sequence& ref, int64_t first) {
     const int64_t n = int64_t(got.size()) / vocab;
+    const NearTies ties = near_tie_tau > 0.0 ? near_ties(ref, near_tie_tau) : NearTies{};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = first + i;
       if (ref.tie_affected.count(pos) != 0) {
         ++excluded;
         continue;
       }
+      ++checked;
       const std::vector<float> row(got.begin() + i * vocab, got.begin() + (i + 1) * vocab);
       const double err = compare(row, ref.logits[size_t(pos)], 0.0, 0.0).rel_l2;
+      if (err > max_rel_l2 && ties.covers(pos)) {
+        ++near_tie_rows;
+        continue;
+      }
       worst = std::max(worst, err);
       EXPECT_LE(err, max_rel_l2) << what << ": position " << pos;
     }

@@ -387,9 +387,9 @@ class CpuBackend final : public Backend {
     return e4kv::qsa_select(config, compressed, block_table, rows, index_q, sel_tokens, sel_counts);
   }
 
-  Status moe_route(const void* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
+  Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
                    bool norm_topk_prob, int32_t* ids, float* weights) override {
-    e4kv::moe_route(f32(logits), n_rows, n_experts, top_k, norm_topk_prob, ids, weights);
+    e4kv::moe_route(logits, n_rows, n_experts, top_k, norm_topk_prob, ids, weights);
     return ok_status();
   }
   Status moe_experts(const void* x, const void* gate_up, const void* down, int64_t n_experts,

@@ -15,6 +15,9 @@
 #include "backend/cuda/cache_write.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/gated_delta_rule.cuh"
+#include "backend/cuda/hybrid_ops.cuh"
+#include "backend/cuda/moe.cuh"
 #include "backend/cuda/model_ops.cuh"
 #include "backend/cuda/paged_attention.cuh"
 #include "backend/cuda/qsa_index_scores.cuh"
@@ -54,6 +57,7 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaFree(scores_);
+    cudaFree(moe_workspace_);
     cudaFree(rope_table_);
     cublasDestroy(cublas_);
     cudaStreamDestroy(stream_);
@@ -211,6 +215,90 @@ class CudaBackend final : public Backend {
   }
 
   // ---- hybrid-model ops ----
+  bool has_hybrid_ops() const override { return true; }
+
+  Status rms_norm_grouped(const void* x, const void* weight, int64_t n_rows, int64_t n_groups,
+                          int64_t dim, float eps, RmsNormForm form, void* out) override {
+    cuda::rms_norm_grouped_f16(h(x), h(weight), n_rows, n_groups, dim, eps, form, h(out),
+                               stream_);
+    return ok_status();
+  }
+  Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
+    cuda::silu_scaled_f16(h(x), n, scale, h(out), stream_);
+    return ok_status();
+  }
+  Status hc_mix(const void* up, const void* xn, int64_t n_rows, int64_t n_streams, int64_t hidden,
+                void* mix) override {
+    cuda::hc_mix_f16(h(up), h(xn), n_rows, n_streams, hidden, h(mix), stream_);
+    return ok_status();
+  }
+  Status hc_inject(void* x, const void* y, const void* inj, int64_t n_rows, int64_t n_streams,
+                   int64_t hidden) override {
+    cuda::hc_inject_f16(h(x), h(y), h(inj), n_rows, n_streams, hidden, stream_);
+    return ok_status();
+  }
+  Status hc_expand(const void* e, int64_t n_rows, int64_t n_streams, int64_t hidden,
+                   void* x) override {
+    cuda::hc_expand_f16(h(e), n_rows, n_streams, hidden, h(x), stream_);
+    return ok_status();
+  }
+  Status conv1d_silu(const void* x, int64_t channels, const void* weight, int64_t kernel,
+                     int64_t dilation, void* states, const SequenceRowsView& seqs,
+                     void* out) override {
+    if (!cuda::conv1d_silu_f16_supported(kernel, dilation)) {
+      return Status::error(cat("cuda backend: a causal conv of kernel ", kernel, " and dilation ",
+                               dilation, " is outside the kernel's limits (kernel <= ",
+                               cuda::kConv1dMaxKernel, ", (kernel - 1) * dilation <= ",
+                               cuda::kConv1dMaxState, ")"));
+    }
+    cuda::conv1d_silu_f16(h(x), channels, h(weight), kernel, dilation, h(states), seqs, h(out),
+                          stream_);
+    return ok_status();
+  }
+  Status gated_delta_gates(const void* a, const void* b, const void* a_log, const void* dt_bias,
+                           int64_t n_rows, int64_t n_heads, float* g, float* beta) override {
+    cuda::gated_delta_gates_f16(h(a), h(b), h(a_log), h(dt_bias), n_rows, n_heads, g, beta,
+                                stream_);
+    return ok_status();
+  }
+  Status gated_delta_rule(const void* qkv, const float* g, const float* beta, int64_t n_k_heads,
+                          int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim,
+                          float* states, const SequenceRowsView& seqs, void* out) override {
+    return cuda::gated_delta_rule_f16(h(qkv), g, beta, n_k_heads, n_v_heads, head_k_dim,
+                                      head_v_dim, states, seqs, h(out), stream_);
+  }
+  Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
+                        int64_t dim, float eps, bool sigmoid_gate, void* out) override {
+    cuda::gated_rms_norm_f16(h(x), h(z), h(weight), n_rows, dim, eps, sigmoid_gate, h(out),
+                             stream_);
+    return ok_status();
+  }
+  Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
+                   bool norm_topk_prob, int32_t* ids, float* weights) override {
+    return cuda::moe_route_f32(logits, n_rows, n_experts, top_k, norm_topk_prob, ids, weights,
+                               stream_);
+  }
+  Status moe_experts(const void* x, const void* gate_up, const void* down, int64_t n_experts,
+                     int64_t hidden, int64_t inter, const int32_t* ids, const float* weights,
+                     int64_t n_rows, int64_t top_k, void* out) override {
+    // Passes of up to 1024 rows: the workspace is sized once for them.
+    const size_t bytes = cuda::moe_experts_workspace_bytes(std::min<int64_t>(n_rows, 1024), top_k,
+                                                           n_experts, hidden, inter);
+    E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes));
+    return cuda::moe_experts_f16(h(x), h(gate_up), h(down), n_experts, hidden, inter, ids,
+                                 weights, n_rows, top_k, h(out), moe_workspace_,
+                                 moe_workspace_bytes_, stream_);
+  }
+  Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
+                           int64_t dim) override {
+    cuda::sigmoid_gated_add_f16(h(out), h(y), h(gate), n_rows, dim, stream_);
+    return ok_status();
+  }
+  Status ple_gate(const void* kn, const void* qn, const void* val, int64_t n_rows,
+                  int64_t n_streams, int64_t hidden, void* out) override {
+    cuda::ple_gate_f16(h(kn), h(qn), h(val), n_rows, n_streams, hidden, h(out), stream_);
+    return ok_status();
+  }
   Status qsa_indexer_write(const IndexerCompressedView& compressed, const IndexerRingView& rings,
                            const uint16_t* index_k, const SequenceRowsView& seqs,
                            const BlockTableView& block_table,
@@ -326,8 +414,13 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
 
+  static uint16_t* h(void* p) { return static_cast<uint16_t*>(p); }
+  static const uint16_t* h(const void* p) { return static_cast<const uint16_t*>(p); }
+
   void* scores_ = nullptr;
   size_t scores_bytes_ = 0;
+  void* moe_workspace_ = nullptr;
+  size_t moe_workspace_bytes_ = 0;
   float* rope_table_ = nullptr;
   size_t rope_bytes_ = 0;
   const double* rope_inv_freq_ = nullptr;

@@ -15,7 +15,7 @@ Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shap
     size_t bytes;
   };
   for (const Need& need :
-       {Need{&ws.logits, n * size_t(shape.n_experts) * act},
+       {Need{&ws.logits, n * size_t(shape.n_experts) * 4},
         Need{&ws.ids, n * size_t(shape.top_k) * 4}, Need{&ws.weights, n * size_t(shape.top_k) * 4},
         Need{&ws.gate, n * size_t(shape.shared_inter) * act},
         Need{&ws.up, n * size_t(shape.shared_inter) * act},
@@ -73,9 +73,9 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
 Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorkspace& ws) const {
   const MoeShape& s = shape_;
   const DType act = b.act_dtype();
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, router_.data(), nullptr, n, s.hidden, s.n_experts, ws.logits.data(), act));
-  E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.data(), n, s.n_experts, s.top_k, s.norm_topk_prob,
+  E4KV_RETURN_IF_ERROR(b.linear(x, router_.data(), nullptr, n, s.hidden, s.n_experts,
+                                ws.logits.data(), DType::kF32));
+  E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.as<float>(), n, s.n_experts, s.top_k, s.norm_topk_prob,
                                    ws.ids.as<int32_t>(), ws.weights.as<float>()));
   E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.data(), down_.data(), s.n_experts, s.hidden,
                                      s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,

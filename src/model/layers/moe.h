@@ -1,5 +1,6 @@
 // The sparse MoE ffn of Qwen4Exp (docs/qwen4exp_reference.md section 6), x: [n_rows, hidden] act:
-//   p = softmax(x Wrouter^T) over all experts; top-k (norm_topk_prob: renormalised)
+//   p = softmax(x Wrouter^T) over all experts (the projection's output in fp32); top-k
+//   (norm_topk_prob: renormalised)
 //   out = sum_j w_j * expert_{e_j}(x) + sigmoid(x wgate^T) * shared_expert(x)
 // expert(x) = down(silu(gate x) * up x). The routed experts are held packed as transformers holds
 // them after loading (gate_up [E, 2I, H], down [E, H, I]); a checkpoint storing them per expert
@@ -25,7 +26,7 @@ struct MoeShape {
 };
 
 struct MoeWorkspace {
-  BackendBuffer logits;       // [rows, n_experts] act
+  BackendBuffer logits;       // [rows, n_experts] fp32
   BackendBuffer ids;          // [rows, top_k] int32
   BackendBuffer weights;      // [rows, top_k] fp32
   BackendBuffer gate, up;     // [rows, shared_inter] act
