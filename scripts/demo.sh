@@ -4,8 +4,9 @@
 #
 # Until the model runtime lands, the calibration statistics are SYNTHETIC (Gaussian K/V rows with
 # outlier channels, rounded to FP16, from `e4kv synth-stats`); every later step is the real one:
-# summarize -> overlay -> verify (the start-up gate) -> inspect -> capacity. Then the dense runtime
-# generates with an FP16 and an E4M3 cache.
+# summarize -> overlay -> verify (the start-up gate) -> inspect -> capacity -> generate on the
+# overlay with an FP16 and an E4M3 cache. Then the dense runtime does the same on a Llama-shaped
+# checkpoint.
 set -euo pipefail
 BUILD=${1:-build}
 E4KV="$BUILD/e4kv"
@@ -47,7 +48,11 @@ step "7. inspect the derived checkpoint"
 step "8. KV cache capacity at 1 GiB, FP16 vs E4M3"
 "$E4KV" capacity "$DERIVED" --budget-gib 1 --request-tokens 4096
 
-step "9. the dense runtime: a Llama-shaped checkpoint with random weights and a tokenizer"
+step "9. the Qwen4Exp runtime on the overlay: FP16 cache, then E4M3 through the gate (random weights)"
+"$E4KV" generate "$DERIVED" --prompt "The cache" --max-tokens 12 --json
+"$E4KV" generate "$DERIVED" --prompt "The cache" --max-tokens 12 --kv-cache-dtype fp8_e4m3 --json
+
+step "10. the dense runtime: a Llama-shaped checkpoint with random weights and a tokenizer"
 DENSE="$WORK/llama-tiny"
 "$E4KV" synth-checkpoint "$DENSE" --family llama --head-dim 64 --with-kv-scales
 echo "-- FP16 cache"

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
+#include "model/ple_ngram.h"
 #include "testing/synth_tokenizer.h"
 
 namespace e4kv {
@@ -22,6 +23,8 @@ constexpr int64_t kMaxLayers = 1000;
 constexpr int64_t kMaxDim = 1 << 16;
 constexpr uint64_t kMaxTotalBytes = 1ull << 30;
 constexpr int64_t kQsaInterval = 4;
+constexpr int64_t kSynthPleHeads = 16;  // (ngram_size 3 - 1) * heads_per_ngram 8
+constexpr int64_t kSynthPleConvKernel = 4;
 
 uint64_t splitmix64(uint64_t& state) {
   uint64_t z = (state += 0x9e3779b97f4a7c15ull);
@@ -195,6 +198,23 @@ Status validate(const SynthCheckpointOptions& o) {
       return Status::error(cat("synthetic checkpoint: rotary_dim (", o.head_dim / 4,
                                ") must not exceed index_dim (", o.index_dim, ")"));
     }
+    E4KV_RETURN_IF_ERROR(check_size("hc_count", o.hc_count, 16));
+    E4KV_RETURN_IF_ERROR(check_size("hc_lowrank", o.hc_lowrank));
+    E4KV_RETURN_IF_ERROR(check_size("n_experts", o.n_experts, 1024));
+    E4KV_RETURN_IF_ERROR(check_size("experts_top_k", o.experts_top_k, o.n_experts));
+    E4KV_RETURN_IF_ERROR(check_size("moe_intermediate_size", o.moe_intermediate_size));
+    E4KV_RETURN_IF_ERROR(
+        check_size("shared_expert_intermediate_size", o.shared_expert_intermediate_size));
+    if (o.hc_count < 2) return Status::error("synthetic checkpoint: hc_count must be at least 2");
+    if (o.ple_layer >= o.n_layers || o.ple_layer < -1) {
+      return Status::error(
+          cat("synthetic checkpoint: ple_layer ", o.ple_layer, " is not a layer (or -1 for none)"));
+    }
+    if (o.ple_layer >= 0 && o.hidden_size % kSynthPleHeads != 0) {
+      return Status::error(cat("synthetic checkpoint: PLE needs hidden_size a multiple of ",
+                               kSynthPleHeads, " (ple_embed_dim = hidden_size)"));
+    }
+    E4KV_RETURN_IF_ERROR(check_size("ple_ngram_base", o.ple_ngram_base, int64_t(1) << 24));
     if (o.index_budget % o.index_ratio != 0) {
       return Status::error(cat("synthetic checkpoint: index_budget (", o.index_budget,
                                ") must be a multiple of index_ratio (", o.index_ratio, ")"));
@@ -229,7 +249,113 @@ std::string layer_name(int64_t layer, std::string_view suffix) {
   return cat("model.layers.", layer, ".", suffix);
 }
 
+// The PLE fields of the synthetic config (the hash geometry ple_hash_params reads).
+Qwen4ExpConfig synth_qwen4exp_config(const SynthCheckpointOptions& o) {
+  Qwen4ExpConfig q;
+  q.ngram_size = 3;
+  q.heads_per_ngram = kSynthPleHeads / 2;
+  q.ngram_vocab_size_base = o.ple_ngram_base;
+  return q;
+}
+
+// The Qwen4Exp layout (docs/qwen4exp_reference.md section 2), as save_pretrained writes it:
+// experts per expert, the PLE table as one tensor (the runtime also reads shards).
+std::vector<Spec> qwen4exp_specs(const SynthCheckpointOptions& o) {
+  const DType w = o.dtype;
+  const int64_t h = o.hidden_size;
+  const int64_t width = o.hc_count * h;
+  const int64_t q_dim = o.n_heads * o.head_dim;
+  const int64_t kv_dim = o.n_kv_heads * o.head_dim;
+  std::vector<Spec> specs;
+  const auto hyper_connection = [&](const std::string& p, bool inject) {
+    specs.push_back({p + "hc_norm.weight", {width}, Init::kNormZero, w});
+    specs.push_back({p + "input_mix_weight_down.weight", {o.hc_lowrank, width}, Init::kLinear, w});
+    specs.push_back({p + "input_mix_weight_up.weight", {width, o.hc_lowrank}, Init::kLinear, w});
+    if (inject) {
+      specs.push_back({p + "block_inject_weight.weight", {o.hc_count, width}, Init::kLinear, w});
+    }
+  };
+  specs.push_back({"model.embed_tokens.weight", {o.vocab_size, h}, Init::kEmbedDense, w});
+  for (int64_t i = 0; i < o.n_layers; ++i) {
+    if (i == o.ple_layer) {
+      const std::string p = layer_name(i, "ple.");
+      const PleHashParams hash = ple_hash_params(synth_qwen4exp_config(o), o.vocab_size, 0);
+      specs.push_back({p + "ple_embedding.ngram_embedding.weight",
+                       {hash.n_rows, h / hash.n_heads()},
+                       Init::kEmbedDense,
+                       w});
+      specs.push_back({p + "key_proj.weight", {width, h}, Init::kLinear, w});
+      specs.push_back({p + "value_proj.weight", {h, h}, Init::kLinear, w});
+      for (const char* norm : {"norm_key.weight", "norm_query.weight", "norm_conv.weight"}) {
+        specs.push_back({p + norm, {width}, Init::kNormZero, w});
+      }
+      specs.push_back({p + "conv1d.weight", {width, 1, kSynthPleConvKernel}, Init::kLinear, w});
+    }
+    hyper_connection(layer_name(i, "attn_hyper_connection."), true);
+    if (is_qsa_layer(i)) {
+      // q_proj: [q_0, gate_0, q_1, gate_1, ...] per head (random either way).
+      specs.push_back({layer_name(i, "self_attn.q_proj.weight"), {2 * q_dim, h}, Init::kLinear, w});
+      specs.push_back({layer_name(i, "self_attn.k_proj.weight"), {kv_dim, h}, Init::kLinear, w});
+      specs.push_back({layer_name(i, "self_attn.v_proj.weight"), {kv_dim, h}, Init::kLinear, w});
+      specs.push_back({layer_name(i, "self_attn.o_proj.weight"), {h, q_dim}, Init::kLinear, w});
+      specs.push_back({layer_name(i, "self_attn.q_norm.weight"), {o.head_dim}, Init::kNormZero, w});
+      specs.push_back({layer_name(i, "self_attn.k_norm.weight"), {o.head_dim}, Init::kNormZero, w});
+      specs.push_back({layer_name(i, "self_attn.indexer.index_qk_proj.weight"),
+                       {(o.index_heads + 1) * o.index_dim, h},
+                       Init::kLinear,
+                       w});
+      specs.push_back({layer_name(i, "self_attn.indexer.q_layernorm.weight"),
+                       {o.index_dim},
+                       Init::kNormZero,
+                       w});
+      specs.push_back({layer_name(i, "self_attn.indexer.k_layernorm.weight"),
+                       {o.index_dim},
+                       Init::kNormZero,
+                       w});
+      if (o.with_kv_scales) {
+        specs.push_back({layer_name(i, "self_attn.k_scale"), {}, Init::kKvScale, DType::kF32});
+        specs.push_back({layer_name(i, "self_attn.v_scale"), {}, Init::kKvScale, DType::kF32});
+      }
+    } else {
+      const int64_t key_dim = o.linear_key_heads * o.linear_head_dim;
+      const int64_t value_dim = o.linear_value_heads * o.linear_head_dim;
+      const int64_t conv_dim = 2 * key_dim + value_dim;
+      const int64_t nv = o.linear_value_heads;
+      const std::string p = layer_name(i, "linear_attn.");
+      specs.push_back({p + "in_proj_qkv.weight", {conv_dim, h}, Init::kLinear, w});
+      specs.push_back({p + "in_proj_z.weight", {value_dim, h}, Init::kLinear, w});
+      specs.push_back({p + "in_proj_b.weight", {nv, h}, Init::kLinear, w});
+      specs.push_back({p + "in_proj_a.weight", {nv, h}, Init::kLinear, w});
+      specs.push_back({p + "conv1d.weight", {conv_dim, 1, o.linear_conv_kernel}, Init::kLinear, w});
+      specs.push_back({p + "dt_bias", {nv}, Init::kNormOne, w});
+      specs.push_back({p + "A_log", {nv}, Init::kALog, w});
+      specs.push_back({p + "norm.weight", {o.linear_head_dim}, Init::kNormOne, w});
+      specs.push_back({p + "out_proj.weight", {h, value_dim}, Init::kLinear, w});
+    }
+    hyper_connection(layer_name(i, "mlp_hyper_connection."), true);
+    const std::string m = layer_name(i, "mlp.");
+    specs.push_back({m + "gate.weight", {o.n_experts, h}, Init::kLinear, w});
+    for (int64_t e = 0; e < o.n_experts; ++e) {
+      const std::string x = cat(m, "experts.", e, ".");
+      specs.push_back({x + "gate_proj.weight", {o.moe_intermediate_size, h}, Init::kLinear, w});
+      specs.push_back({x + "up_proj.weight", {o.moe_intermediate_size, h}, Init::kLinear, w});
+      specs.push_back({x + "down_proj.weight", {h, o.moe_intermediate_size}, Init::kLinear, w});
+    }
+    const int64_t si = o.shared_expert_intermediate_size;
+    specs.push_back({m + "shared_expert.gate_proj.weight", {si, h}, Init::kLinear, w});
+    specs.push_back({m + "shared_expert.up_proj.weight", {si, h}, Init::kLinear, w});
+    specs.push_back({m + "shared_expert.down_proj.weight", {h, si}, Init::kLinear, w});
+    specs.push_back({m + "shared_expert_gate.weight", {1, h}, Init::kLinear, w});
+  }
+  hyper_connection("model.hyper_connection_mixer.", false);
+  if (!o.tie_word_embeddings) {
+    specs.push_back({"lm_head.weight", {o.vocab_size, h}, Init::kLinear, w});
+  }
+  return specs;
+}
+
 std::vector<Spec> tensor_specs(const SynthCheckpointOptions& o) {
+  if (o.family == SynthFamily::kQwen4Exp) return qwen4exp_specs(o);
   const DType w = o.dtype;
   const int64_t h = o.hidden_size;
   const int64_t q_dim = o.n_heads * o.head_dim;
@@ -386,6 +512,23 @@ std::string config_json(const SynthCheckpointOptions& o) {
     config["indexer_head_dim"] = o.index_dim;
     config["indexer_budget"] = o.index_budget;
     config["indexer_compress_ratio"] = o.index_ratio;
+    config["hc_count"] = o.hc_count;
+    config["hc_lowrank"] = o.hc_lowrank;
+    config["num_experts"] = o.n_experts;
+    config["num_experts_per_tok"] = o.experts_top_k;
+    config["moe_intermediate_size"] = o.moe_intermediate_size;
+    config["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
+    config["norm_topk_prob"] = true;
+    // The synthetic tokenizer's <|endoftext|> (its special tokens are the last three ids).
+    config["eos_token_id"] = o.vocab_size - 3;
+    if (o.ple_layer >= 0) {
+      config["ple_layer_ids"] = {o.ple_layer + 1};
+      config["ple_embed_dim"] = o.hidden_size;
+      config["ple_conv_kernel_size"] = kSynthPleConvKernel;
+      config["ngram_size"] = 3;
+      config["heads_per_ngram"] = kSynthPleHeads / 2;
+      config["ngram_vocab_size_base"] = o.ple_ngram_base;
+    }
     config["rope_parameters"] = {
         {"rope_type", "default"}, {"rope_theta", 10000000.0}, {"partial_rotary_factor", 0.25}};
   } else {

@@ -1,6 +1,7 @@
 // Small synthetic Hugging Face checkpoints with deterministic pseudo-random weights, for tests and
-// demos: a dense Llama model or a Qwen4Exp-shaped hybrid (QSA every 4th layer, linear attention
-// otherwise). Weights come from splitmix64 with a fixed seed, so two calls with the same options
+// demos: a dense Llama model or a Qwen4Exp model in transformers' layout (QSA every 4th layer,
+// GatedDeltaNet otherwise, hyper-connections, MoE with a shared expert, optional PLE) that the
+// runtime loads. Weights come from splitmix64 with a fixed seed, so two calls with the same options
 // produce identical bytes.
 #pragma once
 
@@ -65,6 +66,15 @@ struct SynthCheckpointOptions {
   int64_t linear_value_heads = 4;
   int64_t linear_head_dim = 16;
   int64_t linear_conv_kernel = 4;
+  // Qwen4Exp only: hyper-connections, the MoE ffn of every layer, and PLE on one layer.
+  int64_t hc_count = 4;
+  int64_t hc_lowrank = 16;
+  int64_t n_experts = 8;
+  int64_t experts_top_k = 2;
+  int64_t moe_intermediate_size = 32;
+  int64_t shared_expert_intermediate_size = 32;
+  int64_t ple_layer = -1;         // zero-based layer with PLE; -1: none
+  int64_t ple_ngram_base = 1000;  // ngram_vocab_size_base: small, so the n-gram table is small
 };
 
 struct SynthTensor {

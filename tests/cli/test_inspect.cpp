@@ -242,12 +242,12 @@ TEST(CliInspect, MalformedCheckpointsFailWithOneLine) {
        }},
       {"tensor missing from index", "not listed",
        [&](const fs::path& dir) {
-         edit_index(dir, [](json& index) { index["weight_map"].erase("model.norm.weight"); });
+         edit_index(dir, [](json& index) { index["weight_map"].erase("lm_head.weight"); });
        }},
       {"shard outside the directory", "not a plain file name",
        [&](const fs::path& dir) {
          edit_index(dir, [](json& index) {
-           index["weight_map"]["model.norm.weight"] = "../model.safetensors";
+           index["weight_map"]["lm_head.weight"] = "../model.safetensors";
          });
        }},
       {"index not JSON", "invalid JSON",

@@ -252,10 +252,10 @@ TEST_F(CheckpointErrors, IndexShape) {
   EXPECT_HAS(open_error(), "\"metadata\" must be an object");
 
   json number_shard = index_;
-  number_shard["weight_map"]["model.norm.weight"] = 3;
+  number_shard["weight_map"]["lm_head.weight"] = 3;
   write_index(number_shard);
   std::string message = open_error();
-  EXPECT_HAS(message, "\"model.norm.weight\" must name a shard file");
+  EXPECT_HAS(message, "\"lm_head.weight\" must name a shard file");
 }
 
 TEST_F(CheckpointErrors, ShardNameOutsideDirectory) {
@@ -263,11 +263,11 @@ TEST_F(CheckpointErrors, ShardNameOutsideDirectory) {
        {std::string("../") + shard_name(1), std::string("sub/") + shard_name(1), std::string(".."),
         std::string(""), std::string("/etc/passwd")}) {
     json index = index_;
-    index["weight_map"]["model.norm.weight"] = bad;
+    index["weight_map"]["lm_head.weight"] = bad;
     write_index(index);
     std::string message = open_error();
     EXPECT_HAS(message, "not a plain file name");
-    EXPECT_HAS(message, "model.norm.weight");
+    EXPECT_HAS(message, "lm_head.weight");
   }
 }
 
@@ -299,17 +299,17 @@ TEST_F(CheckpointErrors, IndexNamesWrongShard) {
 
 TEST_F(CheckpointErrors, ShardTensorNotInIndex) {
   json index = index_;
-  index["weight_map"].erase("model.norm.weight");
+  index["weight_map"].erase("lm_head.weight");
   write_index(index);
   std::string message = open_error();
-  EXPECT_HAS(message, "\"model.norm.weight\"");
+  EXPECT_HAS(message, "\"lm_head.weight\"");
   EXPECT_HAS(message, "not listed in \"weight_map\"");
 }
 
 TEST_F(CheckpointErrors, TensorInTwoShards) {
   const std::vector<std::byte> data(4 * 64);
   const SafetensorsWriteTensor tensors[] = {
-      {"model.norm.weight", DType::kF32, {64}, data},
+      {"lm_head.weight", DType::kF32, {64}, data},
       {"extra.weight", DType::kF32, {64}, data},
   };
   ASSERT_TRUE(write_safetensors(dir_.path() / "extra.safetensors", tensors).ok());
@@ -317,7 +317,7 @@ TEST_F(CheckpointErrors, TensorInTwoShards) {
   index["weight_map"]["extra.weight"] = "extra.safetensors";
   write_index(index);
   std::string message = open_error();
-  EXPECT_HAS(message, "\"model.norm.weight\" is stored in two shards");
+  EXPECT_HAS(message, "\"lm_head.weight\" is stored in two shards");
   EXPECT_HAS(message, "extra.safetensors");
 }
 

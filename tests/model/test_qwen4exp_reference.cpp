@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -35,7 +36,9 @@
 #include "io/checkpoint.h"
 #include "model/qwen4exp_model.h"
 #include "testing/compare.h"
+#include "testing/files.h"
 #include "testing/hf_qwen4exp.h"
+#include "testing/synth_checkpoint.h"
 
 namespace e4kv {
 namespace {
@@ -310,6 +313,47 @@ TEST(Qwen4ExpModel, MultimodalCheckpointRunsItsTextModelAndRefusesMediaTokens) {
     Result<std::vector<float>> logits = all_logits(**model, ids);
     EXPECT_NE(logits.message().find("image or video placeholder"), std::string::npos)
         << logits.message();
+  }
+}
+
+// The synthetic Qwen4Exp checkpoint (testing/synth_checkpoint.h, what `e4kv synth-checkpoint
+// --family qwen4exp` writes) is in transformers' layout: the runtime loads it, with PLE on a layer
+// and its K/V scales through the gate, and runs it with an FP16 and an E4M3 cache.
+TEST(Qwen4ExpModel, SyntheticCheckpointLoadsAndRuns) {
+  testing_support::TempDir tmp;
+  SynthCheckpointOptions synth;
+  synth.family = SynthFamily::kQwen4Exp;
+  synth.n_layers = 4;
+  synth.ple_layer = 1;
+  synth.with_kv_scales = true;
+  synth.n_shards = 2;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path(), synth).ok());
+  Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+  auto backend = make_cpu_backend();
+  std::vector<float> fp16_logits;
+  for (KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+    ModelOptions options;
+    options.kv_cache_dtype = dtype;
+    options.block_size = 16;
+    options.n_blocks = 8;
+    options.max_model_len = 96;
+    options.max_logit_rows = 96;
+    Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
+    ASSERT_TRUE(model.ok()) << model.message();
+    EXPECT_EQ((*model)->kv_scales().loaded, dtype == KvCacheDtype::kE4m3 ? 2 : 0);
+    std::vector<int32_t> ids;
+    for (int32_t i = 0; i < 80; ++i) ids.push_back((i * 37 + 11) % 200);
+    Result<std::vector<float>> logits = all_logits(**model, ids);
+    ASSERT_TRUE(logits.ok()) << logits.message();
+    for (float v : *logits) ASSERT_TRUE(std::isfinite(v));
+    if (dtype == KvCacheDtype::kF16) {
+      fp16_logits = *logits;
+    } else {
+      const double err = test::compare(*logits, fp16_logits, 0.0, 0.0).rel_l2;
+      EXPECT_GT(err, 0.0);
+      EXPECT_LT(err, 0.1);
+    }
   }
 }
 
