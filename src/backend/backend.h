@@ -173,6 +173,26 @@ class Backend {
   // on it with a message naming the backend.
   virtual bool has_hybrid_ops() const { return false; }
 
+  // Sizes the workspaces of the ops below for the largest forward, at load, so that a forward does
+  // not allocate (the engine will replay decode steps from CUDA graphs). Ops still grow a
+  // workspace that was not reserved. A backend without workspaces does nothing.
+  struct HybridWorkspaceNeeds {
+    int64_t max_rows = 0;  // rows of one forward
+    // QSA: compressed groups of the longest sequence, and the indexer's RoPE (positions < max).
+    int64_t qsa_max_groups = 0;
+    const double* rope_inv_freq = nullptr;  // [rotary_dim / 2], kept alive by the caller
+    int64_t rotary_dim = 0;
+    int64_t max_positions = 0;
+    // MoE (0 experts: none).
+    int64_t moe_experts = 0;
+    int64_t moe_top_k = 0;
+    int64_t moe_hidden = 0;
+    int64_t moe_inter = 0;
+  };
+  virtual Status reserve_hybrid_workspaces(const HybridWorkspaceNeeds& /*needs*/) {
+    return ok_status();
+  }
+
   // Grouped RMSNorm: x [n_rows, n_groups, dim] act, each group row normalised over its dim,
   // gain weight[g * dim + i] (kWeight) or 1 + weight[...] (kOnePlusWeight); weight: [n_groups *
   // dim] act; out may alias x. n_groups = 1 is rms_norm.

@@ -235,6 +235,19 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     E4KV_ASSIGN_OR_RETURN(PleWorkspace ple, PleWorkspace::create(backend, ps, heads, rows));
     ws.ple.emplace(std::move(ple));
   }
+  Backend::HybridWorkspaceNeeds needs;
+  needs.max_rows = rows;
+  if (has_qsa) {
+    needs.qsa_max_groups = limits.max_blocks_per_seq * (options.block_size / m.qsa_shape_.ratio);
+    needs.rope_inv_freq = m.rope_.inv_freq.data();
+    needs.rotary_dim = m.rope_.rotary_dim;
+    needs.max_positions = limits.max_model_len;
+  }
+  needs.moe_experts = moe.n_experts;
+  needs.moe_top_k = moe.top_k;
+  needs.moe_hidden = moe.hidden;
+  needs.moe_inter = moe.inter;
+  E4KV_RETURN_IF_ERROR(backend.reserve_hybrid_workspaces(needs));
   return model;
 }
 

@@ -21,7 +21,6 @@ using ordered_json = nlohmann::ordered_json;
 
 constexpr int64_t kMaxLayers = 1000;
 constexpr int64_t kMaxDim = 1 << 16;
-constexpr uint64_t kMaxTotalBytes = 1ull << 30;
 constexpr int64_t kQsaInterval = 4;
 constexpr int64_t kSynthPleHeads = 16;  // (ngram_size 3 - 1) * heads_per_ngram 8
 constexpr int64_t kSynthPleConvKernel = 4;
@@ -634,9 +633,9 @@ Result<SynthCheckpoint> make_synth_checkpoint(const SynthCheckpointOptions& opti
     for (int64_t d : spec.shape) bytes *= static_cast<uint64_t>(d);
     total += bytes;
   }
-  if (total > kMaxTotalBytes) {
+  if (total > options.max_total_bytes) {
     return Status::error(cat("synthetic checkpoint: ", total, " bytes of weights is more than the ",
-                             kMaxTotalBytes, " allowed; use smaller sizes"));
+                             options.max_total_bytes, " allowed; use smaller sizes"));
   }
   if (static_cast<size_t>(options.n_shards) > specs.size()) {
     return Status::error(cat("synthetic checkpoint: ", options.n_shards, " shards for only ",

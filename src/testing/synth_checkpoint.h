@@ -46,6 +46,8 @@ struct SynthCheckpointOptions {
   // tokenizer.json, tokenizer_config.json); needs vocab_size >= kSynthTokenizerMinVocab.
   bool with_tokenizer = false;
   uint64_t seed = 0;
+  // Refuse to make more bytes of weights than this (the benchmarks raise it; 1 GiB by default).
+  uint64_t max_total_bytes = uint64_t(1) << 30;
 
   // Dense families: the RoPE of config.json. "default" (rope_scaling null), "linear" (factor),
   // "llama3" (factor, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings) or

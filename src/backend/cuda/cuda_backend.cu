@@ -17,8 +17,8 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/gated_delta_rule.cuh"
 #include "backend/cuda/hybrid_ops.cuh"
-#include "backend/cuda/moe.cuh"
 #include "backend/cuda/model_ops.cuh"
+#include "backend/cuda/moe.cuh"
 #include "backend/cuda/paged_attention.cuh"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_indexer_write.cuh"
@@ -29,14 +29,14 @@
 namespace e4kv {
 namespace {
 
-#define E4KV_CUBLAS_CHECK(expr)                                                          \
-  do {                                                                                   \
-    const cublasStatus_t e4kv_cublas_status_ = (expr);                                   \
-    if (e4kv_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                  \
-      ::e4kv::detail::assert_fail(#expr, __FILE__, __LINE__,                             \
-                                  std::string("cuBLAS status ") +                        \
-                                      std::to_string(int(e4kv_cublas_status_)));         \
-    }                                                                                    \
+#define E4KV_CUBLAS_CHECK(expr)                                                      \
+  do {                                                                               \
+    const cublasStatus_t e4kv_cublas_status_ = (expr);                               \
+    if (e4kv_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                              \
+      ::e4kv::detail::assert_fail(                                                   \
+          #expr, __FILE__, __LINE__,                                                 \
+          std::string("cuBLAS status ") + std::to_string(int(e4kv_cublas_status_))); \
+    }                                                                                \
   } while (0)
 
 uint16_t load_u16_le(const std::byte* p) {
@@ -186,8 +186,7 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
 
-  Status convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
-                 int64_t n) override {
+  Status convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) override {
     if (src_dtype == dst_dtype) {
       if (n > 0) {
         E4KV_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(n) * dtype_size(src_dtype),
@@ -199,8 +198,8 @@ class CudaBackend final : public Backend {
       cuda::f32_to_f16(static_cast<const float*>(src), static_cast<uint16_t*>(dst), n, stream_);
       return ok_status();
     }
-    return Status::error(cat("cuda convert: ", dtype_name(src_dtype), " -> ",
-                             dtype_name(dst_dtype), " is not supported"));
+    return Status::error(cat("cuda convert: ", dtype_name(src_dtype), " -> ", dtype_name(dst_dtype),
+                             " is not supported"));
   }
 
   Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
@@ -219,8 +218,7 @@ class CudaBackend final : public Backend {
 
   Status rms_norm_grouped(const void* x, const void* weight, int64_t n_rows, int64_t n_groups,
                           int64_t dim, float eps, RmsNormForm form, void* out) override {
-    cuda::rms_norm_grouped_f16(h(x), h(weight), n_rows, n_groups, dim, eps, form, h(out),
-                               stream_);
+    cuda::rms_norm_grouped_f16(h(x), h(weight), n_rows, n_groups, dim, eps, form, h(out), stream_);
     return ok_status();
   }
   Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
@@ -246,10 +244,10 @@ class CudaBackend final : public Backend {
                      int64_t dilation, void* states, const SequenceRowsView& seqs,
                      void* out) override {
     if (!cuda::conv1d_silu_f16_supported(kernel, dilation)) {
-      return Status::error(cat("cuda backend: a causal conv of kernel ", kernel, " and dilation ",
-                               dilation, " is outside the kernel's limits (kernel <= ",
-                               cuda::kConv1dMaxKernel, ", (kernel - 1) * dilation <= ",
-                               cuda::kConv1dMaxState, ")"));
+      return Status::error(
+          cat("cuda backend: a causal conv of kernel ", kernel, " and dilation ", dilation,
+              " is outside the kernel's limits (kernel <= ", cuda::kConv1dMaxKernel,
+              ", (kernel - 1) * dilation <= ", cuda::kConv1dMaxState, ")"));
     }
     cuda::conv1d_silu_f16(h(x), channels, h(weight), kernel, dilation, h(states), seqs, h(out),
                           stream_);
@@ -262,10 +260,10 @@ class CudaBackend final : public Backend {
     return ok_status();
   }
   Status gated_delta_rule(const void* qkv, const float* g, const float* beta, int64_t n_k_heads,
-                          int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim,
-                          float* states, const SequenceRowsView& seqs, void* out) override {
-    return cuda::gated_delta_rule_f16(h(qkv), g, beta, n_k_heads, n_v_heads, head_k_dim,
-                                      head_v_dim, states, seqs, h(out), stream_);
+                          int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim, float* states,
+                          const SequenceRowsView& seqs, void* out) override {
+    return cuda::gated_delta_rule_f16(h(qkv), g, beta, n_k_heads, n_v_heads, head_k_dim, head_v_dim,
+                                      states, seqs, h(out), stream_);
   }
   Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
                         int64_t dim, float eps, bool sigmoid_gate, void* out) override {
@@ -281,13 +279,13 @@ class CudaBackend final : public Backend {
   Status moe_experts(const void* x, const void* gate_up, const void* down, int64_t n_experts,
                      int64_t hidden, int64_t inter, const int32_t* ids, const float* weights,
                      int64_t n_rows, int64_t top_k, void* out) override {
-    // Passes of up to 1024 rows: the workspace is sized once for them.
-    const size_t bytes = cuda::moe_experts_workspace_bytes(std::min<int64_t>(n_rows, 1024), top_k,
-                                                           n_experts, hidden, inter);
+    // Passes of up to kMoeRowsPerPass rows: the workspace is sized once for them.
+    const size_t bytes = cuda::moe_experts_workspace_bytes(
+        std::min<int64_t>(n_rows, kMoeRowsPerPass), top_k, n_experts, hidden, inter);
     E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes));
-    return cuda::moe_experts_f16(h(x), h(gate_up), h(down), n_experts, hidden, inter, ids,
-                                 weights, n_rows, top_k, h(out), moe_workspace_,
-                                 moe_workspace_bytes_, stream_);
+    return cuda::moe_experts_f16(h(x), h(gate_up), h(down), n_experts, hidden, inter, ids, weights,
+                                 n_rows, top_k, h(out), moe_workspace_, moe_workspace_bytes_,
+                                 stream_);
   }
   Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                            int64_t dim) override {
@@ -334,30 +332,61 @@ class CudaBackend final : public Backend {
                     const BlockTableView& block_table, const QueryBatchView& rows,
                     const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts) override {
     if (rows.n_rows == 0) return ok_status();
-    // Every row's visible groups lie within its block-table row.
+    // Every row's visible groups lie within its block-table row. Rows are scored in chunks whose
+    // scores fit kScoreWorkspaceBytes (a long prefill chunk at a long context would need GBs).
     const int64_t max_groups =
         std::max<int64_t>(1, block_table.max_blocks_per_seq * compressed.rows_per_block());
-    E4KV_RETURN_IF_ERROR(
-        ensure(&scores_, &scores_bytes_, size_t(rows.n_rows) * size_t(max_groups) * sizeof(float)));
-    cuda::QsaIndexScoresArgs scores;
-    scores.compressed = compressed;
-    scores.block_table = block_table;
-    scores.rows = rows;
-    scores.index_q = index_q;
-    scores.n_index_heads = config.n_index_heads;
-    scores.max_groups = max_groups;
-    scores.skip_visible_at_most = qsa_top_k(config.budget, compressed.ratio);
-    scores.scores = static_cast<float*>(scores_);
-    E4KV_RETURN_IF_ERROR(cuda::qsa_index_scores(scores, stream_));
-    cuda::QsaTopKArgs top_k;
-    top_k.rows = rows;
-    top_k.ratio = compressed.ratio;
-    top_k.budget = config.budget;
-    top_k.scores = static_cast<const float*>(scores_);
-    top_k.max_groups = max_groups;
-    top_k.sel_tokens = sel_tokens;
-    top_k.sel_counts = sel_counts;
-    return cuda::qsa_top_k_select(top_k, stream_);
+    const int64_t chunk = score_rows_per_chunk(max_groups);
+    const int64_t width = qsa_selection_width(config.budget, compressed.ratio);
+    const int64_t q_elems = config.n_index_heads * compressed.index_dim;
+    for (int64_t r0 = 0; r0 < rows.n_rows; r0 += chunk) {
+      const int64_t n = std::min(chunk, rows.n_rows - r0);
+      E4KV_RETURN_IF_ERROR(
+          ensure(&scores_, &scores_bytes_, size_t(n) * size_t(max_groups) * sizeof(float)));
+      QueryBatchView part = rows;
+      part.n_rows = n;
+      part.row_seq += r0;
+      part.row_pos += r0;
+      cuda::QsaIndexScoresArgs scores;
+      scores.compressed = compressed;
+      scores.block_table = block_table;
+      scores.rows = part;
+      scores.index_q = index_q + r0 * q_elems;
+      scores.n_index_heads = config.n_index_heads;
+      scores.max_groups = max_groups;
+      scores.skip_visible_at_most = qsa_top_k(config.budget, compressed.ratio);
+      scores.scores = static_cast<float*>(scores_);
+      E4KV_RETURN_IF_ERROR(cuda::qsa_index_scores(scores, stream_));
+      cuda::QsaTopKArgs top_k;
+      top_k.rows = part;
+      top_k.ratio = compressed.ratio;
+      top_k.budget = config.budget;
+      top_k.scores = static_cast<const float*>(scores_);
+      top_k.max_groups = max_groups;
+      top_k.sel_tokens = sel_tokens + r0 * width;
+      top_k.sel_counts = sel_counts + r0;
+      E4KV_RETURN_IF_ERROR(cuda::qsa_top_k_select(top_k, stream_));
+    }
+    return ok_status();
+  }
+
+  Status reserve_hybrid_workspaces(const HybridWorkspaceNeeds& needs) override {
+    if (needs.qsa_max_groups > 0) {
+      const int64_t rows = std::min(needs.max_rows, score_rows_per_chunk(needs.qsa_max_groups));
+      E4KV_RETURN_IF_ERROR(ensure(&scores_, &scores_bytes_,
+                                  size_t(rows) * size_t(needs.qsa_max_groups) * sizeof(float)));
+      if (needs.rope_inv_freq != nullptr) {
+        E4KV_RETURN_IF_ERROR(
+            ensure_rope_table(needs.rope_inv_freq, needs.rotary_dim, needs.max_positions));
+      }
+    }
+    if (needs.moe_experts > 0) {
+      const size_t bytes = cuda::moe_experts_workspace_bytes(
+          std::min<int64_t>(needs.max_rows, kMoeRowsPerPass), needs.moe_top_k, needs.moe_experts,
+          needs.moe_hidden, needs.moe_inter);
+      E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes));
+    }
+    return ok_status();
   }
 
  protected:
@@ -368,6 +397,12 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   cuda::PagedAttentionRunner attention_;
+
+  static constexpr size_t kScoreWorkspaceBytes = size_t(256) << 20;
+  static constexpr int64_t kMoeRowsPerPass = 1024;
+  static int64_t score_rows_per_chunk(int64_t max_groups) {
+    return std::max<int64_t>(1, int64_t(kScoreWorkspaceBytes / (size_t(max_groups) * 4)));
+  }
 
   // Grows a device buffer to `bytes` (kept across calls).
   Status ensure(void** buffer, size_t* capacity, size_t bytes) {
@@ -433,12 +468,13 @@ class CudaBackend final : public Backend {
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {
   const int count = cuda::device_count();
   if (count == 0) {
-    return Status::error("--device cuda: no CUDA device is visible (check the driver and "
-                         "CUDA_VISIBLE_DEVICES), or use --device cpu");
+    return Status::error(
+        "--device cuda: no CUDA device is visible (check the driver and "
+        "CUDA_VISIBLE_DEVICES), or use --device cpu");
   }
   if (options.device < 0 || options.device >= count) {
-    return Status::error(cat("--device cuda:", options.device, ": only ", count,
-                             " CUDA device(s) are visible"));
+    return Status::error(
+        cat("--device cuda:", options.device, ": only ", count, " CUDA device(s) are visible"));
   }
   E4KV_CUDA_CHECK(cudaSetDevice(options.device));
   return std::unique_ptr<Backend>(new CudaBackend(options));

@@ -1,0 +1,339 @@
+// The Qwen4Exp model on the CUDA backend (issue 22's benchmark): a synthetic checkpoint with the
+// published model's layer structure and the configuration defaults where nothing is published
+// (48 layers, every 4th QSA; hidden 2048; 24 q / 2 KV heads x 256, partial rotary 0.25; DeltaNet
+// 16 key / 32 value heads x 128, conv 4; indexer 4 heads x 128, budget 2048, ratio 4;
+// hyper-connections 4 streams, rank 320; MoE reduced to 64 experts of width 512, top-10, shared
+// expert 512; PLE on layer 0 with a small n-gram table; vocab 248320; FP16 weights, about 13B
+// parameters), written to a temporary directory and loaded once per cache dtype.
+//
+// For every cell (batch, context) whose batch * context is at most kMaxCellTokens: `batch`
+// sequences prefilled to `context` tokens (forwards of kPrefillChunk tokens), then decode steps of
+// one token per sequence through Model::forward (host launches, logits copied back). A step is the
+// wall time of one forward, the median of kSamples samples of kStepsPerSample steps; FP16 and E4M3
+// (unit scales) caches. Prefill tokens/s are timed on the first sequence of the batch-1 cells.
+// The batch-1 byte bound: the bytes one decode step must read (every weight but the unused
+// experts', the selected K/V rows, the indexer rows it scores, the recurrent and conv states read
+// and written) at the device-to-device copy rate measured in the same run.
+//
+// Usage: e4kv_bench_qwen4exp [out.json] [--small]   (--small: 8 layers, 8 experts, vocab 8192,
+// contexts 4K and 8K, for a quick check of the harness)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
+#include "io/checkpoint.h"
+#include "kv/block_allocator.h"
+#include "model/model.h"
+#include "testing/synth_checkpoint.h"
+
+namespace {
+
+using namespace e4kv;
+namespace fs = std::filesystem;
+
+constexpr int64_t kPrefillChunk = 8192;
+constexpr int64_t kMaxCellTokens = 262144;
+constexpr int kStepsPerSample = 8;
+constexpr int kSamples = 5;
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "bench_qwen4exp: %s\n", what.c_str());
+  std::exit(1);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Cell {
+  int batch = 0;
+  int64_t context = 0;
+};
+
+struct Row {
+  std::string cache;
+  int batch = 0;
+  int64_t context = 0;
+  double step_ms = 0;
+  double prefill_tokens_per_s = 0;  // first sequence, batch-1 cells only
+};
+
+// Device-to-device copy rate (bytes read per second: a copy reads and writes each byte once, so
+// the rate of reading alone is twice the copy's payload rate when both directions share the bus).
+double copy_read_rate() {
+  const size_t bytes = size_t(1) << 30;
+  void* a = nullptr;
+  void* b = nullptr;
+  E4KV_CUDA_CHECK(cudaMalloc(&a, bytes));
+  E4KV_CUDA_CHECK(cudaMalloc(&b, bytes));
+  E4KV_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  cudaEvent_t start, stop;
+  E4KV_CUDA_CHECK(cudaEventCreate(&start));
+  E4KV_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> rates;
+  for (int i = 0; i < 6; ++i) {
+    E4KV_CUDA_CHECK(cudaEventRecord(start));
+    E4KV_CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    E4KV_CUDA_CHECK(cudaEventRecord(stop));
+    E4KV_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (i > 0) rates.push_back(2.0 * double(bytes) / (double(ms) * 1e-3));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(a);
+  cudaFree(b);
+  return median(rates);
+}
+
+// Bytes one batch-1 decode step at `context` must read (see the head comment).
+double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype dtype) {
+  const double h = double(o.hidden_size);
+  const double width = double(o.hc_count) * h;
+  const double q_dim = double(o.n_heads * o.head_dim);
+  const double kv_dim = double(o.n_kv_heads * o.head_dim);
+  const double kd = double(o.linear_key_heads * o.linear_head_dim);
+  const double vd = double(o.linear_value_heads * o.linear_head_dim);
+  const double hc = 2 * (2 * width * double(o.hc_lowrank) + double(o.hc_count) * width);
+  const double moe = double(o.n_experts) * h +
+                     double(o.experts_top_k) * 3 * h * double(o.moe_intermediate_size) +
+                     3 * h * double(o.shared_expert_intermediate_size) + h;
+  const double qsa =
+      2 * q_dim * h + 2 * kv_dim * h + q_dim * h + double((o.index_heads + 1) * o.index_dim) * h;
+  const double delta = (2 * kd + vd) * h + vd * h + 2 * double(o.linear_value_heads) * h + vd * h;
+  double weights = 0;
+  int64_t n_qsa = 0;
+  for (int64_t i = 0; i < o.n_layers; ++i) {
+    const bool is_qsa = (i + 1) % 4 == 0;
+    n_qsa += is_qsa ? 1 : 0;
+    weights += hc + moe + (is_qsa ? qsa : delta);
+  }
+  weights += 2 * width * double(o.hc_lowrank) + h * double(o.vocab_size);  // final mixer, lm_head
+  weights *= 2;                                                            // FP16
+  const double selected = double(std::min<int64_t>(context, o.index_budget + o.index_ratio - 1));
+  const double kv = double(n_qsa) * selected * 2 * kv_dim * double(kv_cache_elem_bytes(dtype));
+  const double index = double(n_qsa) * double(context / o.index_ratio) * double(o.index_dim) * 2;
+  const double states =
+      double(o.n_layers - n_qsa) * 2 *
+      (double(o.linear_value_heads) * double(o.linear_head_dim * o.linear_head_dim) * 4 +
+       3 * (2 * kd + vd) * 2);
+  return weights + kv + index + states;
+}
+
+std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtype dtype,
+                           const std::vector<Cell>& cells, int64_t vocab) {
+  int64_t max_tokens = 0;
+  int max_batch = 1;
+  int64_t max_context = 0;
+  for (const Cell& c : cells) {
+    max_tokens = std::max(max_tokens, int64_t(c.batch) * c.context);
+    max_batch = std::max(max_batch, c.batch);
+    max_context = std::max(max_context, c.context);
+  }
+  const int64_t steps = int64_t(kSamples + 1) * kStepsPerSample + 2;
+  ModelOptions options;
+  options.kv_cache_dtype = dtype;
+  options.kv_scales_mode =
+      dtype == KvCacheDtype::kE4m3 ? KvScalesMode::kUnit : KvScalesMode::kCalibrated;
+  options.block_size = 64;
+  options.max_model_len = max_context + steps;
+  options.n_blocks =
+      blocks_for_tokens(max_tokens + int64_t(max_batch) * (steps + 64), options.block_size);
+  options.max_batch_tokens = kPrefillChunk;
+  options.max_seqs = max_batch;
+  const auto t_load = std::chrono::steady_clock::now();
+  Result<std::unique_ptr<Model>> loaded = load_model(ckpt, backend, options);
+  if (!loaded.ok()) die(loaded.message());
+  Model& model = **loaded;
+  std::fprintf(stderr, "bench_qwen4exp: %s model loaded in %.1f s\n",
+               dtype == KvCacheDtype::kE4m3 ? "E4M3" : "FP16", seconds_since(t_load));
+
+  std::vector<Row> rows;
+  for (const Cell& cell : cells) {
+    BlockAllocator allocator(options.n_blocks, options.block_size);
+    std::vector<BlockTable> tables(size_t(cell.batch));
+    std::vector<ScopedSequence> held;
+    std::vector<int32_t> slots;
+    for (int s = 0; s < cell.batch; ++s) {
+      Result<ScopedSequence> seq = ScopedSequence::allocate(model);
+      if (!seq.ok()) die(seq.message());
+      slots.push_back(seq->slot());
+      held.push_back(std::move(seq).value());
+    }
+    std::vector<int32_t> lengths(size_t(cell.batch), 0);
+    // Prefill each sequence alone, in chunks.
+    double prefill_s = 0;
+    for (int s = 0; s < cell.batch; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t begin = 0; begin < cell.context; begin += kPrefillChunk) {
+        const int64_t n = std::min(kPrefillChunk, cell.context - begin);
+        allocator.append(tables[size_t(s)], n);
+        std::vector<int32_t> ids(static_cast<size_t>(n)), seq(static_cast<size_t>(n), 0),
+            pos(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) {
+          ids[size_t(i)] = int32_t(((begin + i) * 7919 + s * 131) % (vocab - 16) + 1);
+          pos[size_t(i)] = int32_t(begin + i);
+        }
+        const int32_t last = int32_t(n - 1);
+        const ForwardBatch fb{ids,
+                              seq,
+                              pos,
+                              {&tables[size_t(s)]},
+                              std::span<const int32_t>(&last, 1),
+                              std::span<const int32_t>(&slots[size_t(s)], 1)};
+        Result<std::vector<float>> logits = model.forward(fb);
+        if (!logits.ok()) die(logits.message());
+      }
+      if (s == 0) prefill_s = seconds_since(t0);
+      lengths[size_t(s)] = int32_t(cell.context);
+    }
+    std::vector<const BlockTable*> seqs;
+    for (const BlockTable& t : tables) seqs.push_back(&t);
+    std::vector<int32_t> ids(size_t(cell.batch)), row_seq(size_t(cell.batch)),
+        row_pos(size_t(cell.batch)), logit_rows(size_t(cell.batch));
+    auto step = [&] {
+      for (int s = 0; s < cell.batch; ++s) {
+        allocator.append(tables[size_t(s)], 1);
+        ids[size_t(s)] = int32_t((lengths[size_t(s)] * 13 + s) % (vocab - 16) + 1);
+        row_seq[size_t(s)] = s;
+        row_pos[size_t(s)] = lengths[size_t(s)]++;
+        logit_rows[size_t(s)] = s;
+      }
+      const ForwardBatch fb{ids, row_seq, row_pos, seqs, logit_rows, slots};
+      Result<std::vector<float>> logits = model.forward(fb);
+      if (!logits.ok()) die(logits.message());
+    };
+    step();  // warm-up: first launches, workspaces
+    step();
+    std::vector<double> samples;
+    for (int i = 0; i < kSamples; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int k = 0; k < kStepsPerSample; ++k) step();
+      samples.push_back(seconds_since(t0) * 1e3 / kStepsPerSample);
+    }
+    Row row;
+    row.cache = dtype == KvCacheDtype::kE4m3 ? "e4m3" : "fp16";
+    row.batch = cell.batch;
+    row.context = cell.context;
+    row.step_ms = median(samples);
+    row.prefill_tokens_per_s = cell.batch == 1 ? double(cell.context) / prefill_s : 0.0;
+    std::fprintf(stderr, "bench_qwen4exp: %s batch %d context %lld: step %.3f ms\n",
+                 row.cache.c_str(), row.batch, static_cast<long long>(row.context), row.step_ms);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json_path = "qwen4exp.json";
+  bool small = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--small") == 0) {
+      small = true;
+    } else {
+      json_path = argv[i];
+    }
+  }
+  if (cuda::device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  SynthCheckpointOptions synth;
+  synth.family = SynthFamily::kQwen4Exp;
+  synth.n_layers = small ? 8 : 48;
+  synth.hidden_size = 2048;
+  synth.n_heads = 24;
+  synth.n_kv_heads = 2;
+  synth.head_dim = 256;
+  synth.vocab_size = small ? 8192 : 248320;
+  synth.index_heads = 4;
+  synth.index_dim = 128;
+  synth.index_budget = 2048;
+  synth.index_ratio = 4;
+  synth.linear_key_heads = 16;
+  synth.linear_value_heads = 32;
+  synth.linear_head_dim = 128;
+  synth.linear_conv_kernel = 4;
+  synth.hc_count = 4;
+  synth.hc_lowrank = 320;
+  synth.n_experts = small ? 8 : 64;
+  synth.experts_top_k = small ? 2 : 10;
+  synth.moe_intermediate_size = 512;
+  synth.shared_expert_intermediate_size = 512;
+  synth.ple_layer = 0;
+  synth.dtype = DType::kF16;
+  synth.max_total_bytes = uint64_t(64) << 30;
+  const fs::path dir = fs::temp_directory_path() / "e4kv_bench_qwen4exp";
+  fs::remove_all(dir);
+  const auto t_write = std::chrono::steady_clock::now();
+  if (Status st = write_synth_checkpoint(dir, synth); !st.ok()) die(st.message());
+  std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s\n", seconds_since(t_write));
+  Result<Checkpoint> ckpt = Checkpoint::open(dir);
+  if (!ckpt.ok()) die(ckpt.message());
+  Result<std::unique_ptr<Backend>> backend = make_cuda_backend();
+  if (!backend.ok()) die(backend.message());
+
+  std::vector<Cell> cells;
+  const std::vector<int64_t> contexts =
+      small ? std::vector<int64_t>{4096, 8192} : std::vector<int64_t>{4096, 32768, 131072};
+  for (const int batch : {1, 8, 32}) {
+    for (const int64_t context : contexts) {
+      if (int64_t(batch) * context <= kMaxCellTokens) cells.push_back({batch, context});
+    }
+  }
+  const double rate = copy_read_rate();
+  std::vector<Row> rows;
+  for (const KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+    std::vector<Row> part = run_cache(*ckpt, **backend, dtype, cells, synth.vocab_size);
+    rows.insert(rows.end(), part.begin(), part.end());
+  }
+  fs::remove_all(dir);
+
+  std::printf(
+      "model: Qwen4Exp synthetic, %lld layers, %lld experts top-%lld, FP16 weights; "
+      "copy read rate %.0f GB/s\n",
+      static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
+      static_cast<long long>(synth.experts_top_k), rate / 1e9);
+  std::printf("%-6s %6s %8s %10s %12s %12s %14s\n", "cache", "batch", "context", "step_ms",
+              "bound_ms", "step/bound", "prefill_tok/s");
+  FILE* f = std::fopen(json_path, "w");
+  if (f == nullptr) return 1;
+  std::fprintf(f,
+               "{\"layers\": %lld, \"experts\": %lld, \"top_k\": %lld, \"copy_read_rate\": %.0f, "
+               "\"rows\": [\n",
+               static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
+               static_cast<long long>(synth.experts_top_k), rate);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const KvCacheDtype dtype = r.cache == "e4m3" ? KvCacheDtype::kE4m3 : KvCacheDtype::kF16;
+    const double bound_ms = r.batch == 1 ? step_bytes(synth, r.context, dtype) / rate * 1e3 : 0.0;
+    std::printf("%-6s %6d %8lld %10.3f %12.3f %12.2f %14.0f\n", r.cache.c_str(), r.batch,
+                static_cast<long long>(r.context), r.step_ms, bound_ms,
+                bound_ms > 0 ? r.step_ms / bound_ms : 0.0, r.prefill_tokens_per_s);
+    std::fprintf(f,
+                 "  {\"cache\": \"%s\", \"batch\": %d, \"context\": %lld, \"step_ms\": %.5f, "
+                 "\"bound_ms\": %.5f, \"prefill_tokens_per_s\": %.1f}%s\n",
+                 r.cache.c_str(), r.batch, static_cast<long long>(r.context), r.step_ms, bound_ms,
+                 r.prefill_tokens_per_s, i + 1 < rows.size() ? "," : "");
+  }
+  std::fprintf(f, "]}\n");
+  std::fclose(f);
+  return 0;
+}
