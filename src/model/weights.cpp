@@ -19,18 +19,7 @@ WeightLoader::WeightLoader(const Checkpoint& ckpt, Backend& backend, std::string
 Result<BackendBuffer> WeightLoader::load(const std::string& name,
                                          const std::vector<int64_t>& shape,
                                          std::string_view meaning) {
-  const SafetensorsTensor* tensor = ckpt_->find(name);
-  if (tensor == nullptr) {
-    return Status::error(cat(ckpt_->dir().string(), ": tensor ", name, " is missing (a ", family_,
-                             " checkpoint needs it)"));
-  }
-  if (tensor->shape != shape) {
-    return Status::error(cat(ckpt_->dir().string(), ": tensor ", name, " has shape ",
-                             shape_text(tensor->shape), " but config.json implies ",
-                             shape_text(shape), " (", meaning,
-                             "); the checkpoint and its config.json disagree"));
-  }
-  used_.insert(name);
+  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
   Result<BackendBuffer> buffer = backend_->upload_weight(*tensor);
   if (!buffer.ok()) return Status::error(cat(ckpt_->dir().string(), ": ", buffer.message()));
   return buffer;

@@ -23,10 +23,7 @@
 // Two paths, chosen on the host from host_row_begin: decode (every sequence one row or none)
 // spends no registers on prefetching and runs 3 CTAs per SM; prefill (some sequence with several
 // rows) loads token t + 1's inputs while token t computes, 2 CTAs per SM.
-// H200, nK 16, nV 32, dk = dv = 128, states not L2-resident (helper measurement, 2026-12-02; bytes
-// = the states read and written plus qkv and out): decode batch 1 4.4 us, 8 14.5 us (2.3 TB/s),
-// 32 51.7 us (2.6 TB/s), 64 99 us (2.7 TB/s). Tried: a prefetching decode (128 registers, 2 CTAs
-// per SM) 89 us at batch 32; 8 rows per thread (16 warps) 67 us.
+// Figures and the variants measured against this design: bench/notes/qwen4exp_ops.md.
 //
 // Prefill walks the tokens one after another too (a chain of dependent steps per CTA, about one
 // barrier and the shuffles per token): about 0.86 us per token for one sequence (885 us for 1024
