@@ -15,11 +15,17 @@
 // experts', the selected K/V rows, the indexer rows it scores, the recurrent and conv states read
 // and written) at the device-to-device copy rate measured in the same run.
 //
-// Usage: e4kv_bench_qwen4exp [out.json] [--small]   (--small: 8 layers, 8 experts, vocab 8192,
-// contexts 4K and 8K, for a quick check of the harness)
+// One decode step of every cell is profiled by section (Backend::profile_begin), isolated and in
+// place: the per-layer-kind timeline of where the step's time goes.
+//
+// Usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] [--contexts 4096,...]
+//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR]
+// (--small: 8 layers, 8 experts, vocab 8192, contexts 4K and 8K, for a quick check of the harness;
+// --keep-checkpoint: write the checkpoint to DIR, or reuse it from there, and keep it)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -70,6 +76,9 @@ struct Row {
   int64_t context = 0;
   double step_ms = 0;
   double prefill_tokens_per_s = 0;  // first sequence, batch-1 cells only
+  // One decode step profiled twice (Backend::profile_begin): isolated (each section's own device
+  // time and the host's cost to issue it) and in place (the span each section took in a step).
+  std::vector<ProfileSection> isolated, in_place;
 };
 
 // Device-to-device copy rate (bytes read per second: a copy reads and writes each byte once, so
@@ -227,6 +236,11 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
       samples.push_back(seconds_since(t0) * 1e3 / kStepsPerSample);
     }
     Row row;
+    for (const bool isolate : {true, false}) {
+      backend.profile_begin(isolate);
+      step();
+      (isolate ? row.isolated : row.in_place) = backend.profile_end();
+    }
     row.cache = dtype == KvCacheDtype::kE4m3 ? "e4m3" : "fp16";
     row.batch = cell.batch;
     row.context = cell.context;
@@ -239,17 +253,85 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
   return rows;
 }
 
+std::vector<int64_t> parse_list(const char* flag, const char* text) {
+  std::vector<int64_t> values;
+  const std::string s = text;
+  size_t begin = 0;
+  while (begin <= s.size()) {
+    const size_t end = std::min(s.find(',', begin), s.size());
+    char* stop = nullptr;
+    const std::string item = s.substr(begin, end - begin);
+    const long long v = std::strtoll(item.c_str(), &stop, 10);
+    if (item.empty() || *stop != '\0' || v <= 0) {
+      die(cat(flag, " ", s, ": expected a comma-separated list of positive integers"));
+    }
+    values.push_back(v);
+    begin = end + 1;
+  }
+  return values;
+}
+
+void print_sections(const char* what, const std::vector<ProfileSection>& sections) {
+  double host = 0, device = 0;
+  for (const ProfileSection& s : sections) {
+    std::printf("    %-18s %-16s x%-4lld host %8.3f ms  device %8.3f ms\n", what, s.name.c_str(),
+                static_cast<long long>(s.count), s.host_ms, s.device_ms);
+    host += s.host_ms;
+    device += s.device_ms;
+  }
+  std::printf("    %-18s %-16s       host %8.3f ms  device %8.3f ms\n", what, "total", host, device);
+}
+
+void json_sections(FILE* f, const char* key, const std::vector<ProfileSection>& sections) {
+  std::fprintf(f, "\"%s\": [", key);
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const ProfileSection& s = sections[i];
+    std::fprintf(f, "%s{\"name\": \"%s\", \"count\": %lld, \"host_ms\": %.5f, \"device_ms\": %.5f}",
+                 i > 0 ? ", " : "", s.name.c_str(), static_cast<long long>(s.count), s.host_ms,
+                 s.device_ms);
+  }
+  std::fprintf(f, "]");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* json_path = "qwen4exp.json";
   bool small = false;
+  std::vector<int64_t> batches = {1, 8, 32};
+  std::vector<int64_t> contexts;
+  std::vector<KvCacheDtype> caches = {KvCacheDtype::kF16, KvCacheDtype::kE4m3};
+  std::string keep;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--small") == 0) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--small") {
       small = true;
-    } else {
+    } else if (arg == "--batches" && has_value) {
+      batches = parse_list("--batches", argv[++i]);
+    } else if (arg == "--contexts" && has_value) {
+      contexts = parse_list("--contexts", argv[++i]);
+    } else if (arg == "--cache" && has_value) {
+      const std::string v = argv[++i];
+      if (v == "fp16") {
+        caches = {KvCacheDtype::kF16};
+      } else if (v == "e4m3") {
+        caches = {KvCacheDtype::kE4m3};
+      } else if (v != "both") {
+        die("--cache " + v + ": expected fp16, e4m3 or both");
+      }
+    } else if (arg == "--keep-checkpoint" && has_value) {
+      keep = argv[++i];
+    } else if (!arg.empty() && arg[0] != '-') {
       json_path = argv[i];
+    } else {
+      die("unknown argument " + arg +
+          "; usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] "
+          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR]");
     }
+  }
+  if (contexts.empty()) {
+    contexts = small ? std::vector<int64_t>{4096, 8192} : std::vector<int64_t>{4096, 32768, 131072};
   }
   if (cuda::device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
@@ -280,31 +362,36 @@ int main(int argc, char** argv) {
   synth.ple_layer = 0;
   synth.dtype = DType::kF16;
   synth.max_total_bytes = uint64_t(64) << 30;
-  const fs::path dir = fs::temp_directory_path() / "e4kv_bench_qwen4exp";
-  fs::remove_all(dir);
-  const auto t_write = std::chrono::steady_clock::now();
-  if (Status st = write_synth_checkpoint(dir, synth); !st.ok()) die(st.message());
-  std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s\n", seconds_since(t_write));
+  // --keep-checkpoint DIR: written there (or reused when DIR already holds it) and kept, so
+  // that transformers can load the same checkpoint (bench/peer_qwen4exp.py).
+  const fs::path dir = keep.empty() ? fs::temp_directory_path() / "e4kv_bench_qwen4exp" : fs::path(keep);
+  if (keep.empty() || !fs::exists(dir / "config.json")) {
+    if (!keep.empty() && fs::exists(dir) && !fs::is_empty(dir)) {
+      die(cat("--keep-checkpoint ", keep, ": the directory exists and holds no checkpoint; give a new one"));
+    }
+    if (keep.empty()) fs::remove_all(dir);
+    const auto t_write = std::chrono::steady_clock::now();
+    if (Status st = write_synth_checkpoint(dir, synth); !st.ok()) die(st.message());
+    std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s\n", seconds_since(t_write));
+  }
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
   if (!ckpt.ok()) die(ckpt.message());
   Result<std::unique_ptr<Backend>> backend = make_cuda_backend();
   if (!backend.ok()) die(backend.message());
 
   std::vector<Cell> cells;
-  const std::vector<int64_t> contexts =
-      small ? std::vector<int64_t>{4096, 8192} : std::vector<int64_t>{4096, 32768, 131072};
-  for (const int batch : {1, 8, 32}) {
+  for (const int64_t batch : batches) {
     for (const int64_t context : contexts) {
-      if (int64_t(batch) * context <= kMaxCellTokens) cells.push_back({batch, context});
+      if (batch * context <= kMaxCellTokens) cells.push_back({int(batch), context});
     }
   }
   const double rate = copy_read_rate();
   std::vector<Row> rows;
-  for (const KvCacheDtype dtype : {KvCacheDtype::kF16, KvCacheDtype::kE4m3}) {
+  for (const KvCacheDtype dtype : caches) {
     std::vector<Row> part = run_cache(*ckpt, **backend, dtype, cells, synth.vocab_size);
     rows.insert(rows.end(), part.begin(), part.end());
   }
-  fs::remove_all(dir);
+  if (keep.empty()) fs::remove_all(dir);
 
   std::printf(
       "model: Qwen4Exp synthetic, %lld layers, %lld experts top-%lld, FP16 weights; "
@@ -329,11 +416,23 @@ int main(int argc, char** argv) {
                 bound_ms > 0 ? r.step_ms / bound_ms : 0.0, r.prefill_tokens_per_s);
     std::fprintf(f,
                  "  {\"cache\": \"%s\", \"batch\": %d, \"context\": %lld, \"step_ms\": %.5f, "
-                 "\"bound_ms\": %.5f, \"prefill_tokens_per_s\": %.1f}%s\n",
+                 "\"bound_ms\": %.5f, \"prefill_tokens_per_s\": %.1f, ",
                  r.cache.c_str(), r.batch, static_cast<long long>(r.context), r.step_ms, bound_ms,
-                 r.prefill_tokens_per_s, i + 1 < rows.size() ? "," : "");
+                 r.prefill_tokens_per_s);
+    json_sections(f, "isolated", r.isolated);
+    std::fprintf(f, ", ");
+    json_sections(f, "in_place", r.in_place);
+    std::fprintf(f, "}%s\n", i + 1 < rows.size() ? "," : "");
   }
   std::fprintf(f, "]}\n");
   std::fclose(f);
+  std::printf("\nper-section timeline of one decode step (isolated: each section's own device time "
+              "and the host's cost to issue it; in place: the span it took in a normal step)\n");
+  for (const Row& r : rows) {
+    std::printf("  %s batch %d context %lld\n", r.cache.c_str(), r.batch,
+                static_cast<long long>(r.context));
+    print_sections("isolated", r.isolated);
+    print_sections("in place", r.in_place);
+  }
   return 0;
 }

@@ -279,6 +279,7 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
   Backend& b = *backend_;
   Workspace& ws = *ws_;
   const ModelConfig& c = config_;
+  b.profile_mark("step_context");
   E4KV_RETURN_IF_ERROR(
       ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
   const StepContext& step = ws.step;
@@ -289,14 +290,17 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
   unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
   b.fill_zero(non_finite, 2 * sizeof(unsigned long long));
 
+  b.profile_mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
+    b.profile_mark("attention");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.attention.forward(b, step, cache_view(l), ws.h.data(), ws.o.data(),
                                                  ws.attention, non_finite));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
+    b.profile_mark("mlp");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
@@ -306,12 +310,14 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
   // ---- logits of the rows asked ----
   std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));
   if (m > 0) {
+    b.profile_mark("lm_head");
     E4KV_RETURN_IF_ERROR(b.gather_rows(ws.x.data(), step.logit_rows(), m, hidden, ws.xs.data()));
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.xs.data(), final_norm_.data(), m, hidden, eps,
                                     RmsNormForm::kWeight, ws.xs.data()));
     const void* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
     E4KV_RETURN_IF_ERROR(b.linear(ws.xs.data(), head, nullptr, m, hidden, c.vocab_size,
                                   ws.logits.data(), DType::kF32));
+    b.profile_mark("logits_copy");
     b.copy_to_host(logits.data(), ws.logits.data(), logits.size() * sizeof(float));
   }
   unsigned long long counts[2] = {0, 0};

@@ -336,16 +336,20 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   const int64_t hidden = config_.hidden_size;
   unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
 
+  b.profile_mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
   E4KV_RETURN_IF_ERROR(b.hc_expand(ws.e.data(), n, hc_shape_.streams, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     LayerMemory& mem = memory_[l];
     if (layer.ple) {
+      b.profile_mark("ple");
       E4KV_RETURN_IF_ERROR(
           layer.ple->forward(b, batch.token_ids, step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
     }
+    b.profile_mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    b.profile_mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
       E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
                                               *ws.qsa, non_finite));
@@ -353,9 +357,12 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
       E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
                                                     ws.y.data(), *mem.delta_net, *ws.delta_net));
     }
+    b.profile_mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    b.profile_mark("moe");
     E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
+    b.profile_mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
   }
   return ok_status();
@@ -365,6 +372,7 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
   Backend& b = *backend_;
   Workspace& ws = *ws_;
   const ModelConfig& c = config_;
+  b.profile_mark("step_context");
   E4KV_RETURN_IF_ERROR(
       ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
   E4KV_RETURN_IF_ERROR(ws.step.build_sequences(batch, slots_));
@@ -387,6 +395,7 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
   const int64_t hidden = c.hidden_size;
   std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));
   if (status.ok() && m > 0) {
+    b.profile_mark("lm_head");
     const int64_t width = hc_shape_.width();
     status = b.gather_rows(ws.x.data(), step.logit_rows(), m, width, ws.xs.data());
     if (status.ok()) status = final_mixer_->mix(b, m, ws.xs.data(), ws.hs.data(), ws.hc);
@@ -396,6 +405,7 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
                         DType::kF32);
     }
     if (status.ok()) {
+      b.profile_mark("logits_copy");
       b.copy_to_host(logits.data(), ws.logits.data(), logits.size() * sizeof(float));
     }
   }

@@ -357,5 +357,43 @@ TEST(Qwen4ExpModel, SyntheticCheckpointLoadsAndRuns) {
   }
 }
 
+// The step profile (Backend::profile_begin) sees every section of the forward once per layer of
+// its kind, and nothing when it is off.
+TEST(Qwen4ExpModel, StepProfileCountsEverySectionOfTheForward) {
+  testing_support::TempDir tmp;
+  SynthCheckpointOptions synth;
+  synth.family = SynthFamily::kQwen4Exp;
+  synth.n_layers = 8;  // QSA layers 3 and 7 (every 4th), the rest DeltaNet
+  synth.ple_layer = 1;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path(), synth).ok());
+  Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+  auto backend = make_cpu_backend();
+  ModelOptions options;
+  options.block_size = 16;
+  options.n_blocks = 4;
+  options.max_model_len = 32;
+  Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
+  ASSERT_TRUE(model.ok()) << model.message();
+  const std::vector<int32_t> ids = {5, 6, 7};
+  EXPECT_TRUE(backend->profile_end().empty());  // never begun
+  backend->profile_begin(/*isolate=*/false);
+  ASSERT_TRUE(all_logits(**model, ids).ok());
+  const std::vector<ProfileSection> sections = backend->profile_end();
+  std::vector<std::pair<std::string, int64_t>> seen;
+  for (const ProfileSection& s : sections) {
+    seen.emplace_back(s.name, s.count);
+    EXPECT_GE(s.host_ms, 0.0) << s.name;
+  }
+  const std::vector<std::pair<std::string, int64_t>> expected = {
+      {"step_context", 1}, {"embed", 1},   {"hyper_connection", 24}, {"delta_net", 6},
+      {"moe", 8},          {"ple", 1},     {"qsa", 2},               {"lm_head", 1},
+      {"logits_copy", 1}};
+  EXPECT_EQ(seen, expected);
+  // Off again: a forward adds nothing.
+  ASSERT_TRUE(all_logits(**model, ids).ok());
+  EXPECT_TRUE(backend->profile_end().empty());
+}
+
 }  // namespace
 }  // namespace e4kv

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "backend/cuda/model_ops.cuh"
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/paged_attention.cuh"
+#include "backend/cuda/profile_spin.cuh"
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_indexer_write.cuh"
 #include "backend/cuda/qsa_topk.cuh"
@@ -56,6 +58,7 @@ class CudaBackend final : public Backend {
     E4KV_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
   }
   ~CudaBackend() override {
+    for (cudaEvent_t event : profile_events_) cudaEventDestroy(event);
     cudaFree(scores_);
     cudaFree(moe_workspace_);
     cudaFree(rope_table_);
@@ -95,6 +98,40 @@ class CudaBackend final : public Backend {
     E4KV_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_));
   }
   void synchronize() override { E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  void profile_begin(bool isolate) override {
+    profiling_ = true;
+    profile_isolate_ = isolate;
+    profile_marks_.clear();
+    profile_events_used_ = 0;
+  }
+  void profile_mark(const char* section) override {
+    if (!profiling_) return;
+    close_profile_section();
+    if (profile_isolate_) cuda::profile_spin(kProfileIsolateMicros, stream_);
+    ProfileMark mark;
+    mark.section = section;
+    mark.start = profile_event();
+    E4KV_CUDA_CHECK(cudaEventRecord(mark.start, stream_));
+    mark.host_start = std::chrono::steady_clock::now();
+    profile_marks_.push_back(mark);
+  }
+  std::vector<ProfileSection> profile_end() override {
+    if (!profiling_) return {};
+    close_profile_section();
+    profiling_ = false;
+    E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<ProfileSection> sections;
+    for (const ProfileMark& mark : profile_marks_) {
+      float ms = 0;
+      E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, mark.start, mark.end));
+      add_profile_section(
+          sections, mark.section,
+          std::chrono::duration<double, std::milli>(mark.host_end - mark.host_start).count(),
+          double(ms));
+    }
+    return sections;
+  }
 
   Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) override {
     const int64_t n = tensor.numel();
@@ -393,10 +430,21 @@ class CudaBackend final : public Backend {
   void release(void* data) override { cudaFree(data); }
 
  private:
+  struct ProfileMark {
+    const char* section = nullptr;
+    cudaEvent_t start = nullptr;
+    cudaEvent_t end = nullptr;
+    std::chrono::steady_clock::time_point host_start, host_end;
+  };
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   cuda::PagedAttentionRunner attention_;
+  bool profiling_ = false;
+  bool profile_isolate_ = false;
+  std::vector<ProfileMark> profile_marks_;
+  std::vector<cudaEvent_t> profile_events_;
+  size_t profile_events_used_ = 0;
 
   static constexpr size_t kScoreWorkspaceBytes = size_t(256) << 20;
   static constexpr int64_t kMoeRowsPerPass = 1024;
@@ -405,6 +453,22 @@ class CudaBackend final : public Backend {
   }
 
   // Grows a device buffer to `bytes` (kept across calls).
+  cudaEvent_t profile_event() {
+    if (profile_events_used_ == profile_events_.size()) {
+      cudaEvent_t event = nullptr;
+      E4KV_CUDA_CHECK(cudaEventCreate(&event));
+      profile_events_.push_back(event);
+    }
+    return profile_events_[profile_events_used_++];
+  }
+  void close_profile_section() {
+    if (profile_marks_.empty() || profile_marks_.back().end != nullptr) return;
+    ProfileMark& open = profile_marks_.back();
+    open.host_end = std::chrono::steady_clock::now();
+    open.end = profile_event();
+    E4KV_CUDA_CHECK(cudaEventRecord(open.end, stream_));
+  }
+
   Status ensure(void** buffer, size_t* capacity, size_t bytes) {
     if (bytes <= *capacity) return ok_status();
     if (*buffer != nullptr) {
