@@ -19,9 +19,11 @@
 // place: the per-layer-kind timeline of where the step's time goes.
 //
 // Usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] [--contexts 4096,...]
-//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR]
+//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR] [--calibration-context N]
 // (--small: 8 layers, 8 experts, vocab 8192, contexts 4K and 8K, for a quick check of the harness;
-// --keep-checkpoint: write the checkpoint to DIR, or reuse it from there, and keep it)
+// --keep-checkpoint: write the checkpoint to DIR, or reuse it from there, and keep it;
+// --calibration-context N: also time an FP16 prefill of N tokens with the calibration statistics
+// (Model::start_kv_statistics) off and on: the observer's overhead)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -144,8 +146,63 @@ double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype
   return weights + kv + index + states;
 }
 
+// Prefills one sequence (`salt` varies its ids) to `context` tokens in forwards of kPrefillChunk
+// tokens; returns the wall time.
+double prefill(Model& model, BlockAllocator& allocator, BlockTable& table, int32_t slot, int salt,
+               int64_t context, int64_t vocab) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t begin = 0; begin < context; begin += kPrefillChunk) {
+    const int64_t n = std::min(kPrefillChunk, context - begin);
+    allocator.append(table, n);
+    std::vector<int32_t> ids(static_cast<size_t>(n)), seq(static_cast<size_t>(n), 0),
+        pos(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      ids[size_t(i)] = int32_t(((begin + i) * 7919 + salt * 131) % (vocab - 16) + 1);
+      pos[size_t(i)] = int32_t(begin + i);
+    }
+    const int32_t last = int32_t(n - 1);
+    const ForwardBatch fb{ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1),
+                          std::span<const int32_t>(&slot, 1)};
+    Result<std::vector<float>> logits = model.forward(fb);
+    if (!logits.ok()) die(logits.message());
+  }
+  return seconds_since(t0);
+}
+
+// The calibration observer's cost (issue 23): prefill of one sequence to `context` with the
+// statistics off and on, alternating, kCalibrationReps times each; the medians.
+struct CalibrationCost {
+  int64_t context = 0;
+  double off_s = 0, on_s = 0;
+};
+constexpr int kCalibrationReps = 3;
+
+CalibrationCost calibration_cost(Model& model, int64_t context, int64_t vocab) {
+  std::vector<double> off, on;
+  for (int rep = 0; rep < kCalibrationReps; ++rep) {
+    for (const bool collect : {false, true}) {
+      BlockAllocator allocator(model.n_blocks(), model.block_size());
+      BlockTable table;
+      Result<ScopedSequence> seq = ScopedSequence::allocate(model);
+      if (!seq.ok()) die(seq.message());
+      if (collect) {
+        if (Status st = model.start_kv_statistics(); !st.ok()) die(st.message());
+      }
+      const double t = prefill(model, allocator, table, seq->slot(), rep, context, vocab);
+      if (collect) {
+        Result<std::vector<LayerKvStats>> stats = model.kv_statistics();  // includes the read-back
+        if (!stats.ok()) die(stats.message());
+        model.stop_kv_statistics();
+      }
+      (collect ? on : off).push_back(t);
+    }
+  }
+  return CalibrationCost{context, median(off), median(on)};
+}
+
 std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtype dtype,
-                           const std::vector<Cell>& cells, int64_t vocab) {
+                           const std::vector<Cell>& cells, int64_t vocab,
+                           int64_t calibration_context, CalibrationCost* calibration) {
   int64_t max_tokens = 0;
   int max_batch = 1;
   int64_t max_context = 0;
@@ -160,9 +217,12 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
   options.kv_scales_mode =
       dtype == KvCacheDtype::kE4m3 ? KvScalesMode::kUnit : KvScalesMode::kCalibrated;
   options.block_size = 64;
+  const bool calibrate = calibration_context > 0 && dtype == KvCacheDtype::kF16;
+  max_context = std::max(max_context, calibrate ? calibration_context : 0);
   options.max_model_len = max_context + steps;
-  options.n_blocks =
-      blocks_for_tokens(max_tokens + int64_t(max_batch) * (steps + 64), options.block_size);
+  options.n_blocks = blocks_for_tokens(
+      std::max(max_tokens + int64_t(max_batch) * (steps + 64), calibrate ? max_context : 0),
+      options.block_size);
   options.max_batch_tokens = kPrefillChunk;
   options.max_seqs = max_batch;
   const auto t_load = std::chrono::steady_clock::now();
@@ -188,27 +248,9 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     // Prefill each sequence alone, in chunks.
     double prefill_s = 0;
     for (int s = 0; s < cell.batch; ++s) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int64_t begin = 0; begin < cell.context; begin += kPrefillChunk) {
-        const int64_t n = std::min(kPrefillChunk, cell.context - begin);
-        allocator.append(tables[size_t(s)], n);
-        std::vector<int32_t> ids(static_cast<size_t>(n)), seq(static_cast<size_t>(n), 0),
-            pos(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) {
-          ids[size_t(i)] = int32_t(((begin + i) * 7919 + s * 131) % (vocab - 16) + 1);
-          pos[size_t(i)] = int32_t(begin + i);
-        }
-        const int32_t last = int32_t(n - 1);
-        const ForwardBatch fb{ids,
-                              seq,
-                              pos,
-                              {&tables[size_t(s)]},
-                              std::span<const int32_t>(&last, 1),
-                              std::span<const int32_t>(&slots[size_t(s)], 1)};
-        Result<std::vector<float>> logits = model.forward(fb);
-        if (!logits.ok()) die(logits.message());
-      }
-      if (s == 0) prefill_s = seconds_since(t0);
+      const double t = prefill(model, allocator, tables[size_t(s)], slots[size_t(s)], s,
+                               cell.context, vocab);
+      if (s == 0) prefill_s = t;
       lengths[size_t(s)] = int32_t(cell.context);
     }
     std::vector<const BlockTable*> seqs;
@@ -249,6 +291,12 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     std::fprintf(stderr, "bench_qwen4exp: %s batch %d context %lld: step %.3f ms\n",
                  row.cache.c_str(), row.batch, static_cast<long long>(row.context), row.step_ms);
     rows.push_back(row);
+  }
+  if (calibrate) {
+    *calibration = calibration_cost(model, calibration_context, vocab);
+    std::fprintf(stderr, "bench_qwen4exp: calibration statistics at %lld: off %.3f s, on %.3f s\n",
+                 static_cast<long long>(calibration_context), calibration->off_s,
+                 calibration->on_s);
   }
   return rows;
 }
@@ -302,6 +350,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts;
   std::vector<KvCacheDtype> caches = {KvCacheDtype::kF16, KvCacheDtype::kE4m3};
   std::string keep;
+  int64_t calibration_context = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
@@ -320,6 +369,8 @@ int main(int argc, char** argv) {
       } else if (v != "both") {
         die("--cache " + v + ": expected fp16, e4m3 or both");
       }
+    } else if (arg == "--calibration-context" && has_value) {
+      calibration_context = parse_list("--calibration-context", argv[++i]).at(0);
     } else if (arg == "--keep-checkpoint" && has_value) {
       keep = argv[++i];
     } else if (!arg.empty() && arg[0] != '-') {
@@ -327,7 +378,8 @@ int main(int argc, char** argv) {
     } else {
       die("unknown argument " + arg +
           "; usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] "
-          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR]");
+          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR] "
+          "[--calibration-context N]");
     }
   }
   if (contexts.empty()) {
@@ -387,8 +439,10 @@ int main(int argc, char** argv) {
   }
   const double rate = copy_read_rate();
   std::vector<Row> rows;
+  CalibrationCost calibration;
   for (const KvCacheDtype dtype : caches) {
-    std::vector<Row> part = run_cache(*ckpt, **backend, dtype, cells, synth.vocab_size);
+    std::vector<Row> part = run_cache(*ckpt, **backend, dtype, cells, synth.vocab_size,
+                                      calibration_context, &calibration);
     rows.insert(rows.end(), part.begin(), part.end());
   }
   if (keep.empty()) fs::remove_all(dir);
@@ -424,8 +478,15 @@ int main(int argc, char** argv) {
     json_sections(f, "in_place", r.in_place);
     std::fprintf(f, "}%s\n", i + 1 < rows.size() ? "," : "");
   }
-  std::fprintf(f, "]}\n");
+  std::fprintf(f, "],\n\"calibration\": {\"context\": %lld, \"off_s\": %.4f, \"on_s\": %.4f}}\n",
+               static_cast<long long>(calibration.context), calibration.off_s, calibration.on_s);
   std::fclose(f);
+  if (calibration.context > 0) {
+    std::printf("\ncalibration statistics, FP16 prefill of %lld tokens (median of %d): off %.3f s, "
+                "on %.3f s, overhead %+.2f%%\n",
+                static_cast<long long>(calibration.context), kCalibrationReps, calibration.off_s,
+                calibration.on_s, 100.0 * (calibration.on_s / calibration.off_s - 1.0));
+  }
   std::printf("\nper-section timeline of one decode step (isolated: each section's own device time "
               "and the host's cost to issue it; in place: the span it took in a normal step)\n");
   for (const Row& r : rows) {

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "core/status.h"
 #include "io/safetensors.h"
 #include "kv/kv_cache_view.h"
+#include "kv/kv_histogram.h"
 #include "qsa/indexer_cache.h"
 #include "qsa/selection.h"
 
@@ -94,6 +96,18 @@ struct ProfileSection {
   double device_ms = 0;
 };
 
+// The statistics (kv/kv_histogram.h) of the K and V values that cache writes received, accumulated
+// where the backend runs them (Backend::make_kv_write_stats).
+class KvWriteStats {
+ public:
+  virtual ~KvWriteStats() = default;
+  // Waits for every earlier op of the backend, then returns {K, V} accumulated since creation or
+  // the last reset().
+  virtual std::pair<KvTensorStats, KvTensorStats> read() = 0;
+  // Zeroes the accumulators (ordered with the backend's ops).
+  virtual void reset() = 0;
+};
+
 // Adds one closed section to `sections` (summed by name, first-seen order).
 void add_profile_section(std::vector<ProfileSection>& sections, const char* name, double host_ms,
                          double device_ms);
@@ -127,10 +141,11 @@ class Backend {
   // ---- step profile (a measuring tool for benchmarks; one untaken branch per mark when off) ----
   // profile_begin() starts collecting; each profile_mark() closes the open section and opens
   // `section` (a string that outlives the profile); profile_end() closes the last one, waits for
-  // the device and returns the sections summed by name, in first-seen order. With `isolate`, the
-  // device is held back (a spin of about kProfileIsolateMicros) before each section, so the
-  // host issues the section's ops while the device waits and the device then runs them back to
-  // back: device_ms is the ops' own time and host_ms the host's cost to issue them. Without it,
+  // the device and returns the sections summed by name, in first-seen order. With `isolate`, each
+  // mark waits for the device to finish the previous section and then holds it back (a spin of
+  // about kProfileIsolateMicros), so the host issues the section's ops while the device waits and
+  // the device then runs them back to back: device_ms is the ops' own time and host_ms the host's
+  // cost to issue them (for sections the host issues within the hold). Without it,
   // device_ms is the span the section occupied on the device in a normal step (waits included).
   // The CPU backend's ops finish before they return: its host_ms is their time (device_ms = 0).
   // The default collects nothing.
@@ -184,10 +199,15 @@ class Backend {
   // Writes K/V token rows into one layer's paged cache, exactly as backend/cpu/cache_write.h
   // defines it (FP16 stored as is; E4M3 = e4m3_satfinite_rne(x / scale)).
   // k, v: [n_tokens, n_kv_heads, head_dim] FP16 bits; slot_mapping: [n_tokens] int64, -1 = skip;
-  // non_finite: [2] (K, V) counters of inf/NaN inputs, accumulated (zero them with fill_zero)
+  // non_finite: [2] (K, V) counters of inf/NaN inputs, accumulated (zero them with fill_zero);
+  // stats: nullptr, or accumulators (make_kv_write_stats) that also receive the magnitude
+  // statistics of the K and V values of the rows written (skipped rows are not observed).
   virtual Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
                              const int64_t* slot_mapping, int64_t n_tokens,
-                             unsigned long long* non_finite) = 0;
+                             unsigned long long* non_finite, KvWriteStats* stats) = 0;
+  // Accumulators for cache_write's statistics (calibration, DESIGN.md section 6), zeroed; one per
+  // KV-cache layer. Backend memory, owned by the returned object.
+  virtual Result<std::unique_ptr<KvWriteStats>> make_kv_write_stats() = 0;
 
   // params.out = paged attention of every row (backend/cpu/attention.h is the definition): q FP16
   // bits after norm and RoPE, out fp32 [n_rows, n_heads, head_dim]. host_rows: the same rows with

@@ -12,6 +12,7 @@
 #include "core/checked.h"
 #include "core/file_io.h"
 #include "kv/block_allocator.h"
+#include "model/probe.h"
 #include "model/qwen4exp_model.h"
 #include "model/weights.h"
 
@@ -298,7 +299,10 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.attention.forward(b, step, cache_view(l), ws.h.data(), ws.o.data(),
-                                                 ws.attention, non_finite));
+                                                 ws.attention, non_finite,
+                                                 kv_stats_.sink(int64_t(l), batch.purpose)));
+    probe_attention_output(b, batch.probe, int64_t(l), ws.attention.attn.as<float>(), n,
+                           layer.attention.shape().q_dim());
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
     b.profile_mark("mlp");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,

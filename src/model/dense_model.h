@@ -20,6 +20,7 @@
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
 #include "kv/scale_gate.h"
+#include "model/kv_statistics.h"
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
 #include "model/model.h"
@@ -74,6 +75,14 @@ class DenseModel final : public Model {
   Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
   Status free_sequence(int32_t slot) override { return slots_.release(slot); }
 
+  Status start_kv_statistics() override {
+    return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),
+                           options_.kv_cache_dtype);
+  }
+  Result<std::vector<LayerKvStats>> kv_statistics() override { return kv_stats_.read(); }
+  KvCacheView kv_cache(int64_t layer) const override { return cache_view(size_t(layer)); }
+  void stop_kv_statistics() override { kv_stats_.stop(); }
+
  private:
   struct Layer {
     BackendBuffer input_norm;  // [hidden]
@@ -100,6 +109,7 @@ class DenseModel final : public Model {
   std::vector<BackendBuffer> caches_;  // per layer: [n_blocks, 2, block_size, n_kv_heads, head_dim]
   std::unique_ptr<Workspace> ws_;
   SequenceSlots slots_;
+  KvStatisticsCollector kv_stats_;
 };
 
 }  // namespace e4kv

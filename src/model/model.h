@@ -56,6 +56,25 @@ struct ModelLimits {
 Result<ModelLimits> model_limits(const ModelOptions& options, int64_t max_position_embeddings,
                                  const std::string& config_path);
 
+// Why a forward runs. Only kServe forwards reach the calibration statistics (DESIGN.md sections 6
+// and 11): warm-up, memory-profiling and graph-capture forwards run the same ops on made-up or
+// repeated tokens, whose K/V must not shape the scales.
+enum class ForwardPurpose { kServe, kWarmup, kMemoryProfile, kGraphCapture };
+
+// What a forward shows a probe (e4kv compare): host copies of intermediate tensors, taken after the
+// op that makes them. A probe makes the forward copy and wait; only tools use it.
+class ForwardProbe {
+ public:
+  virtual ~ForwardProbe() = default;
+  // An attention or QSA layer's output before o_proj (after the QSA output gate), every row:
+  // out [n_rows, q_dim] fp32 row-major.
+  virtual void attention_output(int64_t layer, std::span<const float> out, int64_t q_dim) = 0;
+  // A QSA layer's selected token positions, every row: tokens [n_rows, width] of which the first
+  // counts[r] are valid (in the kernel's order), counts [n_rows].
+  virtual void qsa_selection(int64_t layer, std::span<const int32_t> tokens,
+                             std::span<const int32_t> counts, int64_t width) = 0;
+};
+
 // One forward: rows of tokens, any mix of prefill chunks and decode rows of several sequences.
 // Row r is token token_ids[r] of sequence row_seq[r] at position row_pos[r]. Sequence s has
 // block table *seqs[s] whose n_tokens is its length after this forward (positions already in
@@ -73,6 +92,14 @@ struct ForwardBatch {
   // be contiguous, at consecutive positions starting at the tokens its state has seen. May be
   // empty for a model without per-sequence state.
   std::span<const int32_t> seq_slots;
+  ForwardPurpose purpose = ForwardPurpose::kServe;
+  ForwardProbe* probe = nullptr;  // optional
+};
+
+// The calibration statistics of one KV-cache layer: what its cache writes received.
+struct LayerKvStats {
+  int64_t layer = 0;
+  KvTensorStats k, v;
 };
 
 // What the model's memory kinds take: paged memory per token (every layer's KV and indexer rows)
@@ -104,15 +131,28 @@ class Model {
   // backend op refusing a shape.
   virtual Result<std::vector<float>> forward(const ForwardBatch& batch) = 0;
 
-  // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
-  // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs
-  // holds one; free it when the sequence ends. Errors when every slot is taken.
   // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
   // the text model skips.
   virtual std::vector<std::string> load_notes() const { return {}; }
 
+  // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
+  // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs
+  // holds one; free it when the sequence ends. Errors when every slot is taken.
   virtual Result<int32_t> allocate_sequence() = 0;
   virtual Status free_sequence(int32_t slot) = 0;
+
+  // Calibration (DESIGN.md section 6). After start_kv_statistics(), the cache writes of every
+  // kServe forward also accumulate the magnitude statistics of the FP16 K and V values they
+  // receive, per KV-cache layer (where the backend runs them; nothing is read back per forward).
+  // Errors: an E4M3 cache (scales are measured on the FP16 cache). kv_statistics() reads back
+  // what was collected since the start, in config().kv_cache_layers() order (errors when not
+  // started); stop_kv_statistics() ends collecting and frees the accumulators.
+  virtual Status start_kv_statistics() = 0;
+  // The main KV cache of `layer` (data in backend memory), for tools and tests that read it; an
+  // empty view (data == nullptr) for a layer without one.
+  virtual KvCacheView kv_cache(int64_t layer) const = 0;
+  virtual Result<std::vector<LayerKvStats>> kv_statistics() = 0;
+  virtual void stop_kv_statistics() = 0;
 };
 
 // A sequence slot held for a scope (one request of generate, one `logits` call), freed on exit.

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "core/checked.h"
+#include "model/probe.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -352,7 +353,12 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
     b.profile_mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
       E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
-                                              *ws.qsa, non_finite));
+                                              *ws.qsa, non_finite,
+                                              kv_stats_.sink(int64_t(l), batch.purpose)));
+      probe_attention_output(b, batch.probe, int64_t(l), ws.qsa->attn.as<float>(), n,
+                             qsa_shape_.q_dim());
+      probe_qsa_selection(b, batch.probe, int64_t(l), ws.qsa->sel_tokens.as<int32_t>(),
+                          ws.qsa->sel_counts.as<int32_t>(), n, qsa_shape_.sel_width());
     } else {
       E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
                                                     ws.y.data(), *mem.delta_net, *ws.delta_net));

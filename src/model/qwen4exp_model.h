@@ -24,6 +24,7 @@
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "kv/scale_gate.h"
+#include "model/kv_statistics.h"
 #include "model/layers/gated_delta_net.h"
 #include "model/layers/hyper_connection.h"
 #include "model/layers/moe.h"
@@ -69,6 +70,16 @@ class Qwen4ExpModel final : public Model {
   int64_t skipped_tensors() const { return skipped_tensors_; }
   std::vector<std::string> load_notes() const override;
 
+  Status start_kv_statistics() override {
+    return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),
+                           options_.kv_cache_dtype);
+  }
+  Result<std::vector<LayerKvStats>> kv_statistics() override { return kv_stats_.read(); }
+  KvCacheView kv_cache(int64_t layer) const override {
+    return layers_[size_t(layer)].qsa ? qsa_cache(size_t(layer)).kv : KvCacheView{};
+  }
+  void stop_kv_statistics() override { kv_stats_.stop(); }
+
  private:
   struct Layer {
     std::optional<PleBlock> ple;
@@ -111,6 +122,7 @@ class Qwen4ExpModel final : public Model {
   std::optional<HyperConnection> final_mixer_;
   std::vector<LayerMemory> memory_;
   SequenceSlots slots_;
+  KvStatisticsCollector kv_stats_;
   std::unique_ptr<Workspace> ws_;
 };
 

@@ -52,6 +52,18 @@ uint16_t load_u16_le(const std::byte* p) {
   return static_cast<uint16_t>(static_cast<unsigned>(p[0]) | (static_cast<unsigned>(p[1]) << 8));
 }
 
+// The CPU backend's cache-write statistics: host collectors, observed as the rows are written.
+class HostKvWriteStats final : public KvWriteStats {
+ public:
+  std::pair<KvTensorStats, KvTensorStats> read() override { return {k, v}; }
+  void reset() override {
+    k = KvTensorStats();
+    v = KvTensorStats();
+  }
+
+  KvTensorStats k, v;
+};
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const CpuBackendOptions& options) {
@@ -248,14 +260,26 @@ class CpuBackend final : public Backend {
   }
 
   Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
-                     const int64_t* slot_mapping, int64_t n_tokens,
-                     unsigned long long* non_finite) override {
-    const CacheWriteStats stats = e4kv::cache_write(cache, k, v, slot_mapping, n_tokens);
+                     const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                     KvWriteStats* stats) override {
+    const CacheWriteStats counts = e4kv::cache_write(cache, k, v, slot_mapping, n_tokens);
     if (non_finite != nullptr) {
-      non_finite[0] += static_cast<unsigned long long>(stats.k_non_finite);
-      non_finite[1] += static_cast<unsigned long long>(stats.v_non_finite);
+      non_finite[0] += static_cast<unsigned long long>(counts.k_non_finite);
+      non_finite[1] += static_cast<unsigned long long>(counts.v_non_finite);
+    }
+    if (stats != nullptr) {
+      auto& host = static_cast<HostKvWriteStats&>(*stats);
+      const int64_t row = cache.geometry.row_elems();
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        if (slot_mapping[t] < 0) continue;
+        host.k.observe(k + t * row, row);
+        host.v.observe(v + t * row, row);
+      }
     }
     return ok_status();
+  }
+  Result<std::unique_ptr<KvWriteStats>> make_kv_write_stats() override {
+    return std::unique_ptr<KvWriteStats>(std::make_unique<HostKvWriteStats>());
   }
 
   Status paged_attention(const PagedAttentionParams& params,

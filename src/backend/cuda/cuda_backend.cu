@@ -46,6 +46,20 @@ uint16_t load_u16_le(const std::byte* p) {
                                (std::to_integer<uint16_t>(p[1]) << 8));
 }
 
+// The fused statistics of the CUDA cache write (cache_write.cuh), accumulated on the device and
+// read back on request.
+class DeviceKvWriteStats final : public KvWriteStats {
+ public:
+  explicit DeviceKvWriteStats(cudaStream_t stream) : stream_(stream) {}
+  std::pair<KvTensorStats, KvTensorStats> read() override { return buffer.read(stream_); }
+  void reset() override { buffer.reset(stream_); }
+
+  cuda::CacheWriteStatsBuffer buffer;
+
+ private:
+  cudaStream_t stream_;
+};
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(const CudaBackendOptions& options)
@@ -108,7 +122,12 @@ class CudaBackend final : public Backend {
   void profile_mark(const char* section) override {
     if (!profiling_) return;
     close_profile_section();
-    if (profile_isolate_) cuda::profile_spin(kProfileIsolateMicros, stream_);
+    if (profile_isolate_) {
+      // The previous section drains first, so the hold below is never behind queued work and the
+      // host issues this section into an empty queue (no back-pressure in host_ms).
+      E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      cuda::profile_spin(kProfileIsolateMicros, stream_);
+    }
     ProfileMark mark;
     mark.section = section;
     mark.start = profile_event();
@@ -240,9 +259,16 @@ class CudaBackend final : public Backend {
   }
 
   Status cache_write(const KvCacheView& cache, const uint16_t* k, const uint16_t* v,
-                     const int64_t* slot_mapping, int64_t n_tokens,
-                     unsigned long long* non_finite) override {
-    return cuda::cache_write(cache, k, v, slot_mapping, n_tokens, non_finite, nullptr, stream_);
+                     const int64_t* slot_mapping, int64_t n_tokens, unsigned long long* non_finite,
+                     KvWriteStats* stats) override {
+    const cuda::CacheWriteStatsView view =
+        stats != nullptr ? static_cast<DeviceKvWriteStats&>(*stats).buffer.view()
+                         : cuda::CacheWriteStatsView{};
+    return cuda::cache_write(cache, k, v, slot_mapping, n_tokens, non_finite,
+                             stats != nullptr ? &view : nullptr, stream_);
+  }
+  Result<std::unique_ptr<KvWriteStats>> make_kv_write_stats() override {
+    return std::unique_ptr<KvWriteStats>(std::make_unique<DeviceKvWriteStats>(stream_));
   }
 
   Status paged_attention(const PagedAttentionParams& params,

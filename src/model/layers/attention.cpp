@@ -64,7 +64,7 @@ Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::st
 
 Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCacheView& cache,
                                const void* x, void* out, AttentionWorkspace& ws,
-                               unsigned long long* non_finite) const {
+                               unsigned long long* non_finite, KvWriteStats* stats) const {
   const AttentionShape& s = shape_;
   const int64_t n = ctx.n_rows();
   const int64_t q_dim = s.q_dim();
@@ -90,7 +90,7 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * kv_dim));
   E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * kv_dim));
   E4KV_RETURN_IF_ERROR(b.cache_write(cache, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(),
-                                     ctx.slots(), n, non_finite));
+                                     ctx.slots(), n, non_finite, stats));
 
   PagedAttentionParams params;
   params.cache = cache;

@@ -54,9 +54,10 @@ class AttentionMixer {
                                      const AttentionShape& shape);
 
   // out = the mixer of x for every row of the step. x, out: [ctx.n_rows(), hidden] act;
-  // non_finite: the cache write's [2] counters.
+  // non_finite: the cache write's [2] counters; stats: nullptr or the cache write's statistics.
   Status forward(Backend& backend, const StepContext& ctx, const KvCacheView& cache, const void* x,
-                 void* out, AttentionWorkspace& ws, unsigned long long* non_finite) const;
+                 void* out, AttentionWorkspace& ws, unsigned long long* non_finite,
+                 KvWriteStats* stats) const;
 
   const AttentionShape& shape() const { return shape_; }
 

@@ -87,7 +87,7 @@ Result<QsaAttentionMixer> QsaAttentionMixer::load(Backend& backend, WeightLoader
 
 Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaLayerCache& cache,
                                   const void* x, void* out, QsaAttentionWorkspace& ws,
-                                  unsigned long long* non_finite) const {
+                                  unsigned long long* non_finite, KvWriteStats* stats) const {
   const QsaAttentionShape& s = shape_;
   const int64_t n = ctx.n_rows();
   const DType act = b.act_dtype();
@@ -142,7 +142,7 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * s.kv_dim()));
   E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * s.kv_dim()));
   E4KV_RETURN_IF_ERROR(b.cache_write(cache.kv, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(),
-                                     ctx.slots(), n, non_finite));
+                                     ctx.slots(), n, non_finite, stats));
 
   // ---- selection and sparse attention ----
   QsaSelectionConfig select;

@@ -68,10 +68,11 @@ class QsaAttentionMixer {
                                         const std::string& prefix, const QsaAttentionShape& shape,
                                         const double* inv_freq);
 
-  // x, out: [ctx.n_rows(), hidden] act; non_finite: the cache write's [2] counters.
+  // x, out: [ctx.n_rows(), hidden] act; non_finite: the cache write's [2] counters; stats:
+  // nullptr or the cache write's statistics.
   Status forward(Backend& backend, const StepContext& ctx, const QsaLayerCache& cache,
                  const void* x, void* out, QsaAttentionWorkspace& ws,
-                 unsigned long long* non_finite) const;
+                 unsigned long long* non_finite, KvWriteStats* stats) const;
 
   const QsaAttentionShape& shape() const { return shape_; }
 

@@ -1,0 +1,129 @@
+#include "io/corpus.h"
+
+#include <charconv>
+
+#include "core/file_io.h"
+#include "core/json_error.h"
+
+namespace e4kv {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+Status line_error(const std::string& source, int64_t line, const std::string& what) {
+  return Status::error(cat(source, ":", line, ": ", what));
+}
+
+Result<CorpusDocument> parse_document(const json& value, const std::string& source, int64_t line) {
+  if (!value.is_object()) {
+    return line_error(source, line,
+                      "expected a JSON object with one of \"text\", \"token_ids\" or \"messages\"");
+  }
+  int keys = 0;
+  for (const char* key : {"text", "token_ids", "messages"}) keys += value.contains(key) ? 1 : 0;
+  if (keys != 1) {
+    return line_error(source, line,
+                      cat(keys == 0 ? "none" : "more than one", " of \"text\", \"token_ids\" and "
+                          "\"messages\"; give exactly one per line"));
+  }
+  CorpusDocument doc;
+  doc.line = line;
+  if (const auto it = value.find("text"); it != value.end()) {
+    if (!it->is_string()) return line_error(source, line, "\"text\" must be a string");
+    doc.kind = CorpusKind::kText;
+    doc.text = it->get<std::string>();
+    if (doc.text.empty()) return line_error(source, line, "\"text\" is empty");
+  } else if (const auto ids = value.find("token_ids"); ids != value.end()) {
+    if (!ids->is_array() || ids->empty()) {
+      return line_error(source, line, "\"token_ids\" must be a non-empty array of integers");
+    }
+    doc.kind = CorpusKind::kTokenIds;
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const json& id = (*ids)[i];
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
+        return line_error(source, line,
+                          cat("\"token_ids\"[", i, "] is ", id.dump(),
+                              "; expected an integer token id >= 0"));
+      }
+      doc.token_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+    }
+  } else {
+    const json& messages = value["messages"];
+    if (!messages.is_array() || messages.empty()) {
+      return line_error(source, line, "\"messages\" must be a non-empty array of messages");
+    }
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].is_object() || !messages[i].contains("role") ||
+          !messages[i]["role"].is_string()) {
+        return line_error(source, line,
+                          cat("\"messages\"[", i, "] must be an object with a string \"role\""));
+      }
+    }
+    doc.kind = CorpusKind::kMessages;
+    doc.messages = messages;
+  }
+  return doc;
+}
+
+}  // namespace
+
+Result<std::vector<CorpusDocument>> parse_corpus(std::string_view text, const std::string& source) {
+  std::vector<CorpusDocument> documents;
+  int64_t line = 0;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view row = text.substr(begin, end - begin);
+    begin = end + 1;
+    ++line;
+    if (!row.empty() && row.back() == '\r') row.remove_suffix(1);
+    if (row.find_first_not_of(" \t") == std::string_view::npos) continue;
+    json value;
+    try {
+      value = json::parse(row);
+    } catch (const std::exception& e) {
+      return line_error(source, line, cat("invalid JSON: ", json_exception_reason(e)));
+    }
+    E4KV_ASSIGN_OR_RETURN(CorpusDocument doc, parse_document(value, source, line));
+    documents.push_back(std::move(doc));
+  }
+  if (documents.empty()) {
+    return Status::error(cat(source, ": no documents (one JSON object per line: {\"text\": ...}, "
+                                     "{\"token_ids\": [...]} or {\"messages\": [...]})"));
+  }
+  return documents;
+}
+
+Result<std::vector<CorpusDocument>> read_corpus(const std::filesystem::path& path) {
+  E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
+  return parse_corpus(text, path.string());
+}
+
+Result<CorpusShard> parse_corpus_shard(std::string_view text) {
+  const size_t slash = text.find('/');
+  CorpusShard shard;
+  auto number = [](std::string_view s, int64_t& out) {
+    const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    return ec == std::errc() && ptr == s.data() + s.size() && !s.empty();
+  };
+  if (slash == std::string_view::npos || !number(text.substr(0, slash), shard.index) ||
+      !number(text.substr(slash + 1), shard.count) || shard.count < 1 || shard.index < 0 ||
+      shard.index >= shard.count) {
+    return Status::error(cat("--shard ", text,
+                             ": expected I/N with 0 <= I < N (this process's shard of N), e.g. "
+                             "0/4"));
+  }
+  return shard;
+}
+
+std::vector<CorpusDocument> select_shard(std::vector<CorpusDocument> documents,
+                                         const CorpusShard& shard) {
+  std::vector<CorpusDocument> out;
+  for (size_t d = 0; d < documents.size(); ++d) {
+    if (int64_t(d) % shard.count == shard.index) out.push_back(std::move(documents[d]));
+  }
+  return out;
+}
+
+}  // namespace e4kv

@@ -1,0 +1,45 @@
+// Corpus and prompt files of `e4kv calibrate` and `e4kv compare`: JSON lines, one document per
+// line, each an object with exactly one of
+//   {"text": "..."}                    text, encoded with the model's tokenizer (special tokens added)
+//   {"token_ids": [1, 2, 3]}           token ids as they are
+//   {"messages": [{"role": ..., ...}]} a conversation, rendered with the checkpoint's chat template
+// Other keys are allowed and ignored (an "id" to name the document, say). Blank lines are skipped.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace e4kv {
+
+enum class CorpusKind { kText, kTokenIds, kMessages };
+
+struct CorpusDocument {
+  int64_t line = 0;  // 1-based line of the file
+  CorpusKind kind = CorpusKind::kText;
+  std::string text;                 // kText
+  std::vector<int32_t> token_ids;   // kTokenIds (each >= 0; the vocabulary is checked later)
+  nlohmann::ordered_json messages;  // kMessages: a non-empty array of objects with a "role"
+};
+
+// Every error names `source` and the line: invalid JSON, not an object, none or several of the
+// three keys, a value of the wrong type, a negative or non-integer id, an empty document.
+Result<std::vector<CorpusDocument>> parse_corpus(std::string_view text, const std::string& source);
+Result<std::vector<CorpusDocument>> read_corpus(const std::filesystem::path& path);
+
+// `--shard I/N` ("0/1" is everything): document d of the file belongs to shard d % N.
+struct CorpusShard {
+  int64_t index = 0;
+  int64_t count = 1;
+};
+Result<CorpusShard> parse_corpus_shard(std::string_view text);
+std::vector<CorpusDocument> select_shard(std::vector<CorpusDocument> documents,
+                                         const CorpusShard& shard);
+
+}  // namespace e4kv
