@@ -66,6 +66,15 @@ void OutputErrorAccumulator::add(std::span<const float> test, std::span<const fl
   n_ += int64_t(ref.size());
 }
 
+void OutputErrorAccumulator::merge(const OutputErrorAccumulator& other) {
+  diff_sq_ += other.diff_sq_;
+  test_sq_ += other.test_sq_;
+  ref_sq_ += other.ref_sq_;
+  dot_ += other.dot_;
+  max_abs_ = std::max(max_abs_, other.max_abs_);
+  n_ += other.n_;
+}
+
 OutputError OutputErrorAccumulator::result() const {
   return finish(diff_sq_, test_sq_, ref_sq_, dot_, max_abs_, n_);
 }
@@ -122,6 +131,43 @@ double attention_mass_recall(std::span<const float> probs, std::span<const int32
     selected += probs[size_t(t)];
   }
   return total > 0.0 ? selected / total : 1.0;
+}
+
+namespace {
+
+// log softmax of `logits` in double.
+std::vector<double> log_softmax(std::span<const float> logits) {
+  E4KV_ASSERT(!logits.empty(), "log_softmax: no logits");
+  double max = -std::numeric_limits<double>::infinity();
+  for (const float v : logits) {
+    E4KV_ASSERT(std::isfinite(v), "log_softmax: a non-finite logit");
+    max = std::max(max, double(v));
+  }
+  double sum = 0.0;
+  for (const float v : logits) sum += std::exp(double(v) - max);
+  const double log_z = max + std::log(sum);
+  std::vector<double> out(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) out[i] = double(logits[i]) - log_z;
+  return out;
+}
+
+}  // namespace
+
+double next_token_kl(std::span<const float> ref_logits, std::span<const float> test_logits) {
+  E4KV_ASSERT(ref_logits.size() == test_logits.size(),
+              cat("next_token_kl: vocabularies differ (", ref_logits.size(), " vs ",
+                  test_logits.size(), ")"));
+  const std::vector<double> p = log_softmax(ref_logits);
+  const std::vector<double> q = log_softmax(test_logits);
+  double kl = 0.0;
+  for (size_t i = 0; i < p.size(); ++i) kl += std::exp(p[i]) * (p[i] - q[i]);
+  return std::max(0.0, kl);
+}
+
+double next_token_nll(std::span<const float> logits, int32_t target) {
+  E4KV_ASSERT(target >= 0 && size_t(target) < logits.size(),
+              cat("next_token_nll: target ", target, " outside [0, ", logits.size(), ")"));
+  return -log_softmax(logits)[size_t(target)];
 }
 
 }  // namespace e4kv

@@ -26,6 +26,8 @@ OutputError output_error(std::span<const float> test, std::span<const float> ref
 class OutputErrorAccumulator {
  public:
   void add(std::span<const float> test, std::span<const float> ref);
+  // Pools `other`'s pairs into this one (as if they had been added here).
+  void merge(const OutputErrorAccumulator& other);
   OutputError result() const;
 
  private:
@@ -76,5 +78,12 @@ SelectionOverlap selection_overlap(const int32_t* ref, const int32_t* test, int6
 // probabilities of one query row and head over tokens 0..n_tokens-1 (backend/cpu/attention.h:
 // dense_attention_probs); a selected token >= n_tokens is a caller error. 1 when all probs are 0.
 double attention_mass_recall(std::span<const float> probs, std::span<const int32_t> selection);
+
+// Next-token distributions from logits (softmax in double, max-subtracted):
+//   kl(ref || test) = sum_i p_ref(i) (log p_ref(i) - log p_test(i))   (>= 0; 0 for equal logits)
+//   nll(logits, target) = -log p(target)
+// Logits of one position, [vocab] each; a non-finite logit is a caller error.
+double next_token_kl(std::span<const float> ref_logits, std::span<const float> test_logits);
+double next_token_nll(std::span<const float> logits, int32_t target);
 
 }  // namespace e4kv

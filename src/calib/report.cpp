@@ -225,8 +225,6 @@ std::string report_markdown(const Summary& summary) {
 // ---- SVG
 // -----------------------------------------------------------------------------------------
 
-namespace {
-
 std::string xml_escape(std::string_view text) {
   std::string out;
   for (char c : text) {
@@ -249,6 +247,8 @@ std::string xml_escape(std::string_view text) {
   }
   return out;
 }
+
+namespace {
 
 std::string px(double v) {
   char buffer[32];

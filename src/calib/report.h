@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 #include "calib/summarize.h"
 #include "core/status.h"
@@ -24,6 +25,9 @@ inline constexpr const char* kKvReportFormat = "e4kv-kv-report/1";
 std::string report_json(const Summary& summary);
 std::string report_markdown(const Summary& summary);
 std::string report_svg(const Summary& summary);
+
+// `text` with &, <, > and " as XML entities (SVG text and attributes).
+std::string xml_escape(std::string_view text);
 
 // Creates `dir` if needed and writes report.json, report.md and report.svg into it (each through a
 // temporary file and a rename). Errors name the file.

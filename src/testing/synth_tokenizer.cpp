@@ -210,7 +210,8 @@ Status write_synth_tokenizer(const std::filesystem::path& dir, int64_t vocab_siz
                          {"eos_token", kSpecialTokens[0]},
                          {"pad_token", kSpecialTokens[0]},
                          {"add_bos_token", false},
-                         {"model_max_length", 32768}};
+                         {"model_max_length", 32768},
+                         {"chat_template", kSynthChatTemplate}};
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::error(cat(dir.string(), ": cannot create directory: ", ec.message()));

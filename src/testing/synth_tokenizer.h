@@ -25,8 +25,20 @@ inline constexpr int64_t kSynthTokenizerMinVocab = 246;
 // tokenizer.json text for a model with `vocab_size` ids (kSynthTokenizerMinVocab..1048576).
 Result<std::string> make_synth_tokenizer_json(int64_t vocab_size);
 
-// Writes dir/tokenizer.json and dir/tokenizer_config.json (eos_token "<|endoftext|>", no BOS);
-// `dir` is created if needed.
+// The chat template the synthetic tokenizer_config.json carries: ChatML over the special tokens
+// ("<|im_start|>ROLE\nCONTENT<|im_end|>\n" per message, then "<|im_start|>assistant\n" when a
+// generation prompt is asked for), as Qwen checkpoints use.
+inline constexpr const char* kSynthChatTemplate =
+    "{%- for message in messages -%}\n"
+    "<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n"
+    "{% endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "<|im_start|>assistant\n"
+    "{% endif -%}\n";
+
+// Writes dir/tokenizer.json and dir/tokenizer_config.json (eos_token "<|endoftext|>", no BOS, the
+// chat template above); `dir` is created if needed.
 Status write_synth_tokenizer(const std::filesystem::path& dir, int64_t vocab_size);
 
 }  // namespace e4kv

@@ -111,5 +111,21 @@ TEST(QualityMetrics, AttentionMassRecall) {
   EXPECT_EQ(attention_mass_recall(std::vector<float>{0, 0}, std::vector<int32_t>{0}), 1.0);
 }
 
+// Hand-computed: logits {0, ln 3} -> p = {1/4, 3/4}; logits {0, 0} -> q = {1/2, 1/2}.
+// KL(p || q) = 1/4 ln(1/2) + 3/4 ln(3/2); NLL of token 1 under p = -ln(3/4).
+TEST(QualityMetrics, NextTokenKlAndNll) {
+  const std::vector<float> p = {0.0f, float(std::log(3.0))};
+  const std::vector<float> q = {0.0f, 0.0f};
+  EXPECT_NEAR(next_token_kl(p, q), 0.25 * std::log(0.5) + 0.75 * std::log(1.5), 1e-7);
+  EXPECT_EQ(next_token_kl(p, p), 0.0);
+  // A shift of every logit changes nothing.
+  const std::vector<float> shifted = {100.0f, 100.0f + float(std::log(3.0))};
+  EXPECT_NEAR(next_token_kl(p, shifted), 0.0, 1e-6);
+  EXPECT_NEAR(next_token_nll(p, 1), -std::log(0.75), 1e-7);
+  EXPECT_NEAR(next_token_nll(q, 0), std::log(2.0), 1e-12);
+  // Large logits stay finite (max-subtracted).
+  EXPECT_NEAR(next_token_nll(std::vector<float>{1000.0f, 0.0f}, 1), 1000.0, 1e-9);
+}
+
 }  // namespace
 }  // namespace e4kv

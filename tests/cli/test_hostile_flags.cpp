@@ -52,6 +52,7 @@ const std::vector<std::string> kHostileValues = {"0",
 struct Paths {
   fs::path llama;     // a small dense checkpoint with a tokenizer
   fs::path qwen4exp;  // a small Qwen4Exp checkpoint (QSA layers: --max-seqs reserves rings)
+  fs::path corpus;    // a corpus / prompts file of one short document
   fs::path out;
 };
 
@@ -122,6 +123,32 @@ const std::vector<CommandSpec>& commands() {
          return {"synth-stats", p.llama.string(), "--out", p.out.string()};
        },
        {{"--shard", "0"}, {"--tokens", "64"}, {"--seed", "0"}, {"--scale-magnitude", "0.15"}}},
+      {"calibrate",
+       Output::kDirectory,
+       false,
+       [](const Paths& p) -> std::vector<std::string> {
+         return {"calibrate", p.llama.string(), "--corpus", p.corpus.string(), "--out",
+                 p.out.string(), "--no-progress"};
+       },
+       {{"--block-size", "16"},
+        {"--max-model-len", "64"},
+        {"--threads", "1"},
+        {"--generate-tokens", "2"},
+        {"--prefill-chunk", "4"},
+        {"--max-documents", "1"}}},
+      {"compare",
+       Output::kDirectory,
+       false,
+       [](const Paths& p) -> std::vector<std::string> {
+         return {"compare", p.llama.string(), "--prompts", p.corpus.string(), "--out",
+                 p.out.string()};
+       },
+       {{"--block-size", "16"},
+        {"--max-model-len", "64"},
+        {"--threads", "1"},
+        {"--max-tokens", "2"},
+        {"--prefill-chunk", "4"},
+        {"--passkey-trials", "1"}}},
       // No numeric flags; listed so the coverage test knows they were looked at.
       {"inspect", Output::kNone, false, nullptr, {}},
       {"summarize", Output::kNone, false, nullptr, {}},
@@ -164,6 +191,15 @@ const std::map<std::pair<std::string, std::string>, std::set<std::string>>& vali
     v[{"generate", "--prefill-chunk"}] = {"0"};
     // 0 sequences: no QSA raw ring is reserved before blocks are counted.
     v[{"capacity", "--max-seqs"}] = {"0"};
+    v[{"calibrate", "--max-model-len"}] = {"0"};
+    v[{"compare", "--max-model-len"}] = {"0"};
+    v[{"calibrate", "--threads"}] = {"0"};
+    v[{"compare", "--threads"}] = {"0"};
+    // 0 greedy tokens: prompts only.
+    v[{"calibrate", "--generate-tokens"}] = {"0"};
+    v[{"compare", "--max-tokens"}] = {"0"};
+    // 0 = every document; any larger count than the corpus holds takes them all.
+    v[{"calibrate", "--max-documents"}] = zero_and_large;
     // The shard number is a label recorded in the statistics file (any non-negative int64).
     v[{"synth-stats", "--shard"}] = zero_and_large;
     return v;
@@ -216,8 +252,11 @@ class HostileFlags : public ::testing::TestWithParam<FlagCase> {
     paths_.llama = tmp_.path() / "llama";
     RunResult r = run_cli(
         scratch_, {"synth-checkpoint", paths_.llama.string(), "--layers", "2", "--hidden-size",
-                   "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "256"});
+                   "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "256",
+                   "--with-kv-scales"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
+    paths_.corpus = tmp_.path() / "corpus.jsonl";
+    testing_support::write_text(paths_.corpus, "{\"token_ids\": [1, 2, 3, 4]}\n");
     if (GetParam().command->needs_qwen4exp) {
       paths_.qwen4exp = tmp_.path() / "qwen4exp";
       r = run_cli(scratch_, {"synth-checkpoint", paths_.qwen4exp.string(), "--family", "qwen4exp",

@@ -83,6 +83,7 @@ inline void check_kv_statistics(SynthFamily family, Backend& backend) {
   SynthCheckpointOptions synth;
   synth.family = family;
   synth.n_layers = 4;
+  synth.head_dim = 64;  // the CUDA attention routes start at 64
   ASSERT_TRUE(write_synth_checkpoint(tmp.path(), synth).ok());
   Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
   ASSERT_TRUE(ckpt.ok()) << ckpt.message();

@@ -2,6 +2,7 @@
 //   --report DIR: merges calibration statistics (one file per shard and process) into one fp32
 // K/V scale per KV-cache layer, writes scales.json (the input of `e4kv overlay`) and a report
 // (report.json, report.md, report.svg). Conventions: calib/summarize.h.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -28,6 +29,34 @@ struct SummarizeArgs {
   bool force = false;
 };
 
+
+// STATS arguments: files as given; a directory stands for its kv-stats-*.jsonl files (what
+// `e4kv calibrate --out DIR` writes), in name order. A directory without any is an error.
+Result<std::vector<std::string>> expand_stats_paths(const std::vector<std::string>& args) {
+  std::vector<std::string> files;
+  for (const std::string& arg : args) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(arg, ec)) {
+      files.push_back(arg);
+      continue;
+    }
+    std::vector<std::string> found;
+    for (const auto& entry : std::filesystem::directory_iterator(arg, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (entry.is_regular_file() && name.starts_with("kv-stats-") && name.ends_with(".jsonl")) {
+        found.push_back(entry.path().string());
+      }
+    }
+    if (ec) return Status::error(cat(arg, ": cannot list the directory: ", ec.message()));
+    if (found.empty()) {
+      return Status::error(cat(arg, ": a directory without kv-stats-*.jsonl files; give the "
+                                    "directory `e4kv calibrate --out` wrote, or statistics files"));
+    }
+    std::sort(found.begin(), found.end());
+    files.insert(files.end(), found.begin(), found.end());
+  }
+  return files;
+}
 
 // Every output is checked before anything is read or written: none may be an input, lie inside a
 // checkpoint, or replace a file without --force.
@@ -61,7 +90,8 @@ Status run_summarize(const SummarizeArgs& args) {
   SummarizeOptions options;
   E4KV_ASSIGN_OR_RETURN(options.policy, parse_scale_policy(args.policy));
   std::vector<SummaryInput> inputs;
-  for (const std::string& path : args.stats) {
+  E4KV_ASSIGN_OR_RETURN(const std::vector<std::string> files, expand_stats_paths(args.stats));
+  for (const std::string& path : files) {
     E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
     E4KV_ASSIGN_OR_RETURN(KvStats stats, parse_kv_stats(text, path));
     inputs.push_back({path, sha256_hex(text), std::move(stats)});
@@ -105,7 +135,9 @@ void add_summarize_command(CLI::App& app, Status& result) {
   CLI::App* cmd = app.add_subcommand(
       "summarize", "Turn K/V calibration statistics into scales.json and a report");
   auto args = std::make_shared<SummarizeArgs>();
-  cmd->add_option("STATS", args->stats, "Statistics files (JSON lines), one per shard/process")
+  cmd->add_option("STATS", args->stats,
+                  "Statistics files (JSON lines), one per shard/process, or directories of them "
+                  "(e4kv calibrate --out)")
       ->required();
   cmd->add_option("--policy", args->policy,
                   "absmax (no observed value saturates), p99.9 or p99.99 (the percentile maps "

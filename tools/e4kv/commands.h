@@ -24,6 +24,10 @@ void add_inspect_command(CLI::App& app, Status& result);
 void add_synth_command(CLI::App& app, Status& result);
 void add_capacity_command(CLI::App& app, Status& result);
 void add_synth_stats_command(CLI::App& app, Status& result);
+// The calibration statistics of real forwards (cmd_calibrate.cpp).
+void add_calibrate_command(CLI::App& app, Status& result);
+// FP16 KV against E4M3 KV on the same tokens (cmd_compare.cpp).
+void add_compare_command(CLI::App& app, Status& result);
 void add_summarize_command(CLI::App& app, Status& result);
 void add_overlay_command(CLI::App& app, Status& result);
 void add_verify_command(CLI::App& app, Status& result);

@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   e4kv::cli::add_synth_command(app, result);
   e4kv::cli::add_capacity_command(app, result);
   e4kv::cli::add_synth_stats_command(app, result);
+  e4kv::cli::add_calibrate_command(app, result);
+  e4kv::cli::add_compare_command(app, result);
   e4kv::cli::add_summarize_command(app, result);
   e4kv::cli::add_overlay_command(app, result);
   e4kv::cli::add_verify_command(app, result);

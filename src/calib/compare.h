@@ -1,0 +1,100 @@
+// `e4kv compare`'s measures (DESIGN.md section 8): FP16 KV (the reference) against E4M3 KV modes on
+// identical token ids, accumulated prompt by prompt, and the report (JSON, Markdown, an SVG chart of
+// the per-layer attention-output error). Plain C++: the command feeds it what the models produce.
+//
+// Conventions:
+// - Attention output: per attention/QSA layer, the output before o_proj of every teacher-forced
+//   row, pooled over rows and prompts (OutputErrorAccumulator: relative L2, cosine, RMSE); the
+//   aggregate pools every layer.
+// - Selection overlap (QSA layers): per row, the E4M3 selection against the FP16 one as token sets
+//   (selection_row_overlap); means over rows, the exact-row ratio, the micro Jaccard.
+// - Next token: per teacher-forced position t < T-1 of a prompt, KL(p_fp16 || p_mode) of the next
+//   token distributions and the mode's NLL of token t+1; perplexity = exp(mean NLL). The first
+//   token: the argmax after the last prompt token, equal or not.
+// - Free-running: greedy continuations of up to --max-tokens; identical or the first position where
+//   they differ (0-based, in generated tokens).
+// - Retrieval (passkey): per (context, depth) the prompts whose continuation holds the key.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "calib/quality_metrics.h"
+#include "core/status.h"
+
+namespace e4kv {
+
+struct LayerCompare {
+  int64_t layer = 0;
+  bool qsa = false;
+  OutputErrorAccumulator output;
+  // Selection overlap sums (QSA layers).
+  int64_t rows = 0;
+  double sum_jaccard = 0.0;
+  double sum_recall = 0.0;
+  double min_recall = 1.0;
+  int64_t exact_rows = 0;
+  int64_t sum_intersection = 0;
+  int64_t sum_union = 0;
+};
+
+struct PasskeyCell {
+  int64_t context = 0;  // prompt tokens asked for
+  int64_t depth = 0;    // percent
+  int64_t correct = 0;
+  int64_t total = 0;
+};
+
+// One mode's measures: the FP16 reference ("fp16": its own perplexity and retrieval only) or an E4M3
+// mode against it ("e4m3": calibrated scales; "unit": unit scales, the negative control).
+struct ModeCompare {
+  std::string name;
+  std::string scales;  // how the mode's scales were obtained (the gate's summary line)
+  std::vector<LayerCompare> layers;  // attention and QSA layers, in layer order
+  double sum_kl = 0.0;
+  int64_t kl_positions = 0;
+  double sum_nll = 0.0;
+  int64_t nll_tokens = 0;
+  int64_t prompts = 0;
+  int64_t first_token_equal = 0;
+  int64_t greedy_prompts = 0;
+  int64_t greedy_identical = 0;
+  std::vector<int64_t> first_divergence;  // per greedy prompt: -1 identical, else the position
+  std::vector<PasskeyCell> passkey;
+
+  // Adds one teacher-forced layer output / selection (rows of one forward).
+  void add_output(int64_t layer, bool qsa, std::span<const float> test, std::span<const float> ref);
+  void add_selection(int64_t layer, std::span<const int32_t> test_tokens,
+                     std::span<const int32_t> test_counts, std::span<const int32_t> ref_tokens,
+                     std::span<const int32_t> ref_counts, int64_t width);
+  // Adds a greedy pair: the mode's continuation against the reference's.
+  void add_greedy(std::span<const int32_t> test, std::span<const int32_t> ref);
+  void add_passkey(int64_t context, int64_t depth, bool correct);
+
+  LayerCompare& layer_entry(int64_t layer, bool qsa);
+  OutputError aggregate_output() const;
+  double mean_kl() const { return kl_positions > 0 ? sum_kl / double(kl_positions) : 0.0; }
+  double perplexity() const;  // exp(mean NLL); 0 without tokens
+};
+
+struct CompareReport {
+  std::string model;
+  std::string device;
+  int64_t prompts = 0;
+  int64_t teacher_forced_tokens = 0;
+  int64_t max_tokens = 0;
+  ModeCompare reference;          // "fp16"
+  std::vector<ModeCompare> modes;  // "e4m3", then "unit" when asked
+};
+
+std::string compare_json(const CompareReport& report);
+std::string compare_markdown(const CompareReport& report);
+std::string compare_svg(const CompareReport& report);
+// Creates `dir` if needed and writes compare.json, compare.md and compare.svg (each atomically).
+Status write_compare_report(const std::filesystem::path& dir, const CompareReport& report);
+
+}  // namespace e4kv

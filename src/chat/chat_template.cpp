@@ -1,0 +1,179 @@
+#include "chat/chat_template.h"
+
+#include "core/file_io.h"
+#include "core/json_error.h"
+
+namespace e4kv {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+constexpr std::string_view kNoTemplateAdvice =
+    "pass the prompt as token ids or as plain text instead of chat messages, or add a "
+    "chat_template.jinja to the checkpoint";
+
+// The JSON object in `path`, nullopt when the file does not exist.
+Result<std::optional<ordered_json>> read_json_object(const std::filesystem::path& path) {
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> text, read_optional_file(path));
+  if (!text) return std::optional<ordered_json>();
+  ordered_json root;
+  try {
+    root = ordered_json::parse(*text);
+  } catch (const ordered_json::exception& e) {
+    return Status::error(cat(path.string(), ": not valid JSON (", json_exception_reason(e), ")"));
+  }
+  if (!root.is_object()) return Status::error(cat(path.string(), ": not a JSON object"));
+  return std::optional<ordered_json>(std::move(root));
+}
+
+// A special token as tokenizer_config.json writes it: "<s>", {"content": "<s>", ...} or null.
+Result<std::optional<std::string>> special_token(const ordered_json& config,
+                                                 const std::filesystem::path& path,
+                                                 std::string_view key) {
+  const auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return std::optional<std::string>();
+  if (it->is_string()) return std::optional<std::string>(it->get<std::string>());
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) {
+    return std::optional<std::string>((*it)["content"].get<std::string>());
+  }
+  return Status::error(cat(path.string(), ": \"", key,
+                           "\" must be a string or an object with a string \"content\", got ",
+                           it->dump()));
+}
+
+// The template in a "chat_template" value: a string, or a list of {"name", "template"}.
+Result<std::optional<std::string>> pick_template(const ordered_json& value,
+                                                 const std::filesystem::path& path,
+                                                 std::string_view name) {
+  const std::string wanted = name.empty() ? "default" : std::string(name);
+  if (value.is_string()) {
+    if (wanted != "default") {
+      return Status::error(
+          cat(path.string(), ": has a single chat template, no template named \"", wanted, "\""));
+    }
+    return std::optional<std::string>(value.get<std::string>());
+  }
+  if (!value.is_array()) {
+    return Status::error(cat(path.string(),
+                             ": \"chat_template\" must be a string or a list of {\"name\", "
+                             "\"template\"} objects, got ",
+                             value.type_name()));
+  }
+  std::string names;
+  for (const ordered_json& entry : value) {
+    if (!entry.is_object() || !entry.contains("name") || !entry["name"].is_string() ||
+        !entry.contains("template") || !entry["template"].is_string()) {
+      return Status::error(cat(path.string(),
+                               ": each \"chat_template\" entry must be "
+                               "{\"name\": string, \"template\": string}"));
+    }
+    const std::string entry_name = entry["name"].get<std::string>();
+    if (entry_name == wanted)
+      return std::optional<std::string>(entry["template"].get<std::string>());
+    names += cat(names.empty() ? "" : ", ", "\"", entry_name, "\"");
+  }
+  return Status::error(cat(path.string(), ": no chat template named \"", wanted,
+                           "\" (the checkpoint has ", names.empty() ? "none" : names, ")"));
+}
+
+}  // namespace
+
+Result<ChatTemplate> ChatTemplate::load(const std::filesystem::path& dir, std::string_view name) {
+  const std::filesystem::path config_path = dir / "tokenizer_config.json";
+  E4KV_ASSIGN_OR_RETURN(std::optional<ordered_json> config, read_json_object(config_path));
+  std::optional<std::string> bos_token;
+  std::optional<std::string> eos_token;
+  if (config) {
+    E4KV_ASSIGN_OR_RETURN(bos_token, special_token(*config, config_path, "bos_token"));
+    E4KV_ASSIGN_OR_RETURN(eos_token, special_token(*config, config_path, "eos_token"));
+  }
+
+  const bool named = !name.empty() && name != "default";
+  std::optional<std::string> source;
+  std::filesystem::path origin;
+  // 1. A template file.
+  origin =
+      named ? dir / "additional_chat_templates" / cat(name, ".jinja") : dir / "chat_template.jinja";
+  E4KV_ASSIGN_OR_RETURN(source, read_optional_file(origin));
+  // 2. tokenizer_config.json.
+  if (!source && config && config->contains("chat_template") &&
+      !(*config)["chat_template"].is_null()) {
+    origin = config_path;
+    E4KV_ASSIGN_OR_RETURN(source, pick_template((*config)["chat_template"], config_path, name));
+  }
+  // 3. chat_template.json.
+  if (!source) {
+    const std::filesystem::path processor_path = dir / "chat_template.json";
+    E4KV_ASSIGN_OR_RETURN(std::optional<ordered_json> processor, read_json_object(processor_path));
+    if (processor && processor->contains("chat_template") &&
+        !(*processor)["chat_template"].is_null()) {
+      origin = processor_path;
+      E4KV_ASSIGN_OR_RETURN(source,
+                            pick_template((*processor)["chat_template"], processor_path, name));
+    }
+  }
+  if (!source) {
+    if (named) {
+      return Status::error(cat(dir.string(), ": the checkpoint has no chat template named \"", name,
+                               "\" (no additional_chat_templates/", name,
+                               ".jinja and none in tokenizer_config.json)"));
+    }
+    return Status::error(cat(dir.string(),
+                             ": the checkpoint has no chat template (no chat_template.jinja and no "
+                             "\"chat_template\" in tokenizer_config.json or chat_template.json); ",
+                             kNoTemplateAdvice));
+  }
+  Result<ChatTemplate> loaded =
+      from_source(std::move(*source), std::move(bos_token), std::move(eos_token));
+  if (!loaded.ok()) return Status::error(cat(origin.string(), ": ", loaded.message()));
+  return loaded;
+}
+
+Result<ChatTemplate> ChatTemplate::from_source(std::string source,
+                                               std::optional<std::string> bos_token,
+                                               std::optional<std::string> eos_token) {
+  E4KV_ASSIGN_OR_RETURN(JinjaTemplate engine, JinjaTemplate::parse(source, "chat template"));
+  return ChatTemplate(std::move(engine), std::move(source), std::move(bos_token),
+                      std::move(eos_token));
+}
+
+Result<std::string> ChatTemplate::render(const ordered_json& messages,
+                                         const ChatRenderOptions& options) const {
+  if (!messages.is_array()) {
+    return Status::option_error(
+        "messages", cat("must be a JSON array of message objects, got ", messages.type_name()));
+  }
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!messages[i].is_object()) {
+      return Status::option_error(
+          "messages", cat("message ", i, " must be a JSON object, got ", messages[i].type_name()));
+    }
+  }
+  if (options.tools && !options.tools->is_array()) {
+    return Status::option_error(
+        "tools", cat("must be a JSON array of tool schemas, got ", options.tools->type_name()));
+  }
+  if (!options.extra.is_object()) {
+    return Status::option_error("extra", cat("must be a JSON object of template variables, got ",
+                                             options.extra.type_name()));
+  }
+  ordered_json context = ordered_json::object();
+  context["messages"] = messages;
+  context["tools"] = options.tools ? *options.tools : ordered_json(nullptr);
+  context["documents"] = nullptr;
+  context["add_generation_prompt"] = options.add_generation_prompt;
+  if (bos_token_) context["bos_token"] = *bos_token_;
+  if (eos_token_) context["eos_token"] = *eos_token_;
+  for (const auto& [key, value] : options.extra.items()) {
+    if (key == "messages" || key == "tools" || key == "documents" ||
+        key == "add_generation_prompt") {
+      return Status::option_error("extra", cat("\"", key,
+                                               "\" is set by its own option, not as an "
+                                               "extra template variable"));
+    }
+    context[key] = value;
+  }
+  return engine_.render(context, options.limits);
+}
+
+}  // namespace e4kv
