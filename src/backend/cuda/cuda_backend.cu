@@ -514,12 +514,16 @@ class CudaBackend final : public Backend {
   }
 
   // The QSA indexer's RoPE table (cos then sin per position, fp32) for positions [0, n).
+  // The table is keyed by the frequencies' values, not their address: models loaded one after
+  // another on this backend may get a freed model's address for different frequencies.
   Status ensure_rope_table(const double* inv_freq, int64_t rotary_dim, int64_t n) {
-    if (inv_freq == rope_inv_freq_ && rotary_dim == rope_dim_ && n <= rope_positions_) {
-      return ok_status();
-    }
-    const int64_t positions = std::max<int64_t>({n, 2 * rope_positions_, 4096});
     const int64_t half = rotary_dim / 2;
+    const bool same_freqs =
+        rotary_dim == rope_dim_ && int64_t(rope_inv_freq_.size()) == half &&
+        std::equal(rope_inv_freq_.begin(), rope_inv_freq_.end(), inv_freq);
+    if (same_freqs && n <= rope_positions_) return ok_status();
+    const int64_t positions =
+        std::max<int64_t>({n, same_freqs ? 2 * rope_positions_ : 0, 4096});
     std::vector<float> table(size_t(positions * rotary_dim));
     for (int64_t p = 0; p < positions; ++p) {
       float* row = table.data() + p * rotary_dim;
@@ -533,7 +537,7 @@ class CudaBackend final : public Backend {
     E4KV_CUDA_CHECK(cudaMemcpyAsync(rope_table_, table.data(), table.size() * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_));
     E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    rope_inv_freq_ = inv_freq;
+    rope_inv_freq_.assign(inv_freq, inv_freq + half);
     rope_dim_ = rotary_dim;
     rope_positions_ = positions;
     return ok_status();
@@ -548,7 +552,7 @@ class CudaBackend final : public Backend {
   size_t moe_workspace_bytes_ = 0;
   float* rope_table_ = nullptr;
   size_t rope_bytes_ = 0;
-  const double* rope_inv_freq_ = nullptr;
+  std::vector<double> rope_inv_freq_;  // the table's frequencies (rotary_dim / 2)
   int64_t rope_dim_ = 0;
   int64_t rope_positions_ = 0;
 };
