@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run here (a Debian machine), not on the GPU machine: downloads the Debian packages the build
 # needs that the GPU image lacks (PCRE2, OpenBLAS and its Fortran runtime, pkgconf), unpacks them
-# into .deps/root (ignored by git; carry it to the GPU machine), drops what the build does not use
-# and replaces symlinks by files so the folder travels as plain files (about 40 MB).
+# into .deps/root (ignored by git), drops what the build does not use and replaces symlinks by
+# files (about 40 MB), then packs it into .deps.tar.xz (about 6 MB; ignored too): carry that to the
+# GPU machine, where scripts/gpu_env.sh unpacks it (the working tree that travels is limited).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .deps && mkdir -p .deps/debs .deps/root
@@ -22,3 +23,5 @@ rm -f "$lib"/libgfortran.so.5.* "$lib"/libquadmath.so.0.* "$lib"/libpcre2-8.so.0
 echo "INPUT(libpcre2-8.so.0)" >"$lib/libpcre2-8.so"
 echo "INPUT(libopenblas.so.0)" >"$lib/openblas-pthread/libopenblas.so"
 du -sh .deps
+tar -C .deps -cJf .deps.tar.xz root
+ls -la .deps.tar.xz
