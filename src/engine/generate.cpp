@@ -66,6 +66,7 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
   const int64_t chunk = std::min(options.prefill_chunk > 0 ? options.prefill_chunk : prompt_len,
                                  model.limits().max_batch_tokens);
   Result<std::vector<float>> logits = Status::error("no forward ran");
+  std::vector<int32_t> seen(prompt.begin(), prompt.end());  // for the repetition penalty
   for (int64_t begin = 0; begin < prompt_len; begin += chunk) {
     const int64_t n = std::min(chunk, prompt_len - begin);
     logits =
@@ -78,6 +79,10 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
         return Status::error(
             cat("the model produced non-finite logits after ", table.n_tokens, " tokens"));
       }
+    }
+    if (options.sampling.repetition_penalty != 1.0) {
+      if (!result.output_ids.empty()) seen.push_back(result.output_ids.back());
+      apply_repetition_penalty(*logits, seen, options.sampling.repetition_penalty);
     }
     const int32_t token = sampler.sample(*logits);
     result.output_ids.push_back(token);

@@ -17,7 +17,25 @@ Status validate_sampling_params(const SamplingParams& params) {
   if (params.top_k < -1) {
     return Status::option_error("top_k", cat("must be >= 0 (0 or -1 = off), got ", params.top_k));
   }
+  if (!std::isfinite(params.repetition_penalty) || params.repetition_penalty <= 0.0) {
+    return Status::option_error("repetition_penalty",
+                                cat("must be a finite number > 0 (1 = off), got ",
+                                    params.repetition_penalty));
+  }
   return ok_status();
+}
+
+void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> seen,
+                              double penalty) {
+  if (penalty == 1.0) return;
+  const float p = static_cast<float>(penalty);
+  std::vector<bool> done(logits.size(), false);
+  for (int32_t id : seen) {
+    if (id < 0 || static_cast<size_t>(id) >= logits.size() || done[size_t(id)]) continue;
+    done[size_t(id)] = true;
+    float& l = logits[size_t(id)];
+    l = l > 0.0f ? l / p : l * p;
+  }
 }
 
 int32_t argmax_logit(std::span<const float> logits) {

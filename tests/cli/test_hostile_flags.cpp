@@ -83,6 +83,7 @@ const std::vector<CommandSpec>& commands() {
         {"--temperature", "0"},
         {"--top-p", "1"},
         {"--top-k", "0"},
+        {"--repetition-penalty", "1"},
         {"--seed", "0"},
         {"--prefill-chunk", "0"}}},
       {"logits",
@@ -183,6 +184,8 @@ const std::map<std::pair<std::string, std::string>, std::set<std::string>>& vali
     // 0 and -1 turn top-k off (engine/sampler.h); k at or above the vocabulary keeps every token.
     v[{"generate", "--top-k"}] = zero_and_large;
     v[{"generate", "--top-k"}].insert("-1");
+    // Any finite penalty above 0 (a huge one all but bans the tokens already seen).
+    v[{"generate", "--repetition-penalty"}] = {kLargeIntegers.begin(), kLargeIntegers.end()};
     // Any 64-bit unsigned seed.
     v[{"generate", "--seed"}] = zero_and_large;
     v[{"synth-checkpoint", "--seed"}] = zero_and_large;

@@ -81,6 +81,43 @@ TEST_F(Generate, GreedyEqualsAnArgmaxLoopAndIsNotDegenerate) {
             result->output_ids);
 }
 
+// With a repetition penalty, each greedy step is the argmax of the last row's logits after the
+// penalty over the prompt and the tokens so far: the same loop by hand.
+TEST_F(Generate, RepetitionPenaltyEqualsAPenalisedArgmaxLoop) {
+  auto model = load();
+  ASSERT_NE(model, nullptr);
+  GenerateOptions options;
+  options.max_tokens = 12;
+  options.sampling.repetition_penalty = 1.8;
+  Result<GenerateResult> result = generate(*model, kPrompt, options);
+  ASSERT_TRUE(result.ok()) << result.message();
+  options.sampling.repetition_penalty = 1.0;
+  Result<GenerateResult> plain = generate(*model, kPrompt, options);
+  ASSERT_TRUE(plain.ok()) << plain.message();
+  EXPECT_NE(result->output_ids, plain->output_ids) << "the penalty changed nothing";
+
+  auto fresh = load();
+  std::vector<int32_t> ids = kPrompt;
+  for (size_t step = 0; step < 12; ++step) {
+    BlockAllocator allocator(fresh->n_blocks(), fresh->block_size());
+    BlockTable table;
+    allocator.append(table, int64_t(ids.size()));
+    std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
+    const int32_t last = int32_t(ids.size() - 1);
+    Result<std::vector<float>> logits =
+        fresh->forward({ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1)});
+    ASSERT_TRUE(logits.ok()) << logits.message();
+    for (int32_t id : std::set<int32_t>(ids.begin(), ids.end())) {
+      float& l = (*logits)[size_t(id)];
+      l = l > 0.0f ? l / 1.8f : l * 1.8f;
+    }
+    ids.push_back(argmax_logit(*logits));
+  }
+  EXPECT_EQ(std::vector<int32_t>(ids.begin() + long(kPrompt.size()), ids.end()),
+            result->output_ids);
+}
+
 TEST_F(Generate, ChunkedPrefillGivesTheSameTokens) {
   auto model = load();
   GenerateOptions options;

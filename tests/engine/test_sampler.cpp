@@ -145,6 +145,28 @@ TEST(Sampler, ValidatesParameters) {
   params = {};
   params.top_k = -1;  // off, as vLLM spells it
   EXPECT_TRUE(validate_sampling_params(params).ok());
+  for (double bad : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                     std::numeric_limits<double>::quiet_NaN()}) {
+    params = {};
+    params.repetition_penalty = bad;
+    EXPECT_EQ(validate_sampling_params(params).option(), "repetition_penalty") << bad;
+  }
+}
+
+// Exact values: a positive logit is divided, a negative one multiplied, zero stays, each seen id
+// once however often it was seen, ids outside the vocabulary ignored, unseen logits untouched.
+TEST(Sampler, RepetitionPenaltyRescalesSeenLogitsOnce) {
+  std::vector<float> logits{3.0f, -2.0f, 0.0f, 1.5f, -0.5f};
+  const std::vector<int32_t> seen{0, 1, 2, 0, 0, 1, -3, 5, 99};
+  apply_repetition_penalty(logits, seen, 2.0);
+  EXPECT_EQ(logits, (std::vector<float>{1.5f, -4.0f, 0.0f, 1.5f, -0.5f}));
+  std::vector<float> same{3.0f, -2.0f};
+  apply_repetition_penalty(same, seen, 1.0);
+  EXPECT_EQ(same, (std::vector<float>{3.0f, -2.0f}));
+  // fp32 division as transformers does it on fp32 logits.
+  std::vector<float> third{1.0f};
+  apply_repetition_penalty(third, std::vector<int32_t>{0}, 3.0);
+  EXPECT_EQ(third[0], 1.0f / 3.0f);
 }
 
 }  // namespace

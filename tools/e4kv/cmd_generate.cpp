@@ -28,6 +28,7 @@ struct GenerateArgs {
   double temperature = 0.0;
   double top_p = 1.0;
   int64_t top_k = 0;
+  double repetition_penalty = 1.0;
   uint64_t seed = 0;
   bool ignore_eos = false;
   int64_t prefill_chunk = 0;
@@ -51,6 +52,7 @@ Status run_generate(const GenerateArgs& args) {
   sampling.temperature = args.temperature;
   sampling.top_p = args.top_p;
   sampling.top_k = args.top_k;
+  sampling.repetition_penalty = args.repetition_penalty;
   sampling.seed = args.seed;
   E4KV_RETURN_IF_ERROR(validate_sampling_params(sampling));
 
@@ -157,6 +159,11 @@ void add_generate_command(CLI::App& app, Status& result) {
       ->capture_default_str();
   cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = off")
       ->transform(decimal_integer<int64_t>())
+      ->capture_default_str();
+  cmd->add_option("--repetition-penalty", args->repetition_penalty,
+                  "Divide positive logits (multiply negative ones) of tokens already in the "
+                  "sequence by this; 1 = off")
+      ->transform(finite_number())
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the sampler (runs are reproducible)")
       ->transform(decimal_integer<uint64_t>())
