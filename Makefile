@@ -55,7 +55,7 @@ test-sanitize: setup
 	  -DE4KV_ENABLE_CUDA=OFF -DE4KV_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
 	cmake --build $(SANITIZE_BUILD) -j $(JOBS)
-	$(SANITIZER_ENV) ctest --test-dir $(SANITIZE_BUILD) --output-on-failure -j $(JOBS)
+	$(SANITIZER_ENV) ctest --test-dir $(SANITIZE_BUILD) --output-on-failure -j $(JOBS) -LE quality
 
 # The fuzzers (clang + libFuzzer + ASan/UBSan): a bounded run, FUZZ_SECONDS split between the
 # safetensors header target and the config.json target.
