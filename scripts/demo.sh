@@ -17,7 +17,7 @@ WORK="$BUILD/demo"
 rm -rf "$WORK"
 mkdir -p "$WORK"
 DERIVED="$WORK/tiny-qwen4exp-kvscales"
-PROMPT="To install a Debian package,"
+PROMPT="In Python, a list comprehension"
 
 step() { printf '\n== %s\n' "$*"; }
 

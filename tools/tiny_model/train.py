@@ -496,7 +496,7 @@ def main() -> int:
     ap.add_argument("--state", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=8.5)
-    ap.add_argument("--total-tokens", type=int, default=130_000_000)
+    ap.add_argument("--total-tokens", type=int, default=125_000_000)
     ap.add_argument("--selfcheck", action="store_true")
     ap.add_argument("--export", action="store_true")
     ap.add_argument("--probe", action="store_true", help="time a few steps at each phase")
