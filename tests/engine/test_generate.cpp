@@ -46,6 +46,32 @@ class Generate : public ::testing::Test {
 
 const std::vector<int32_t> kPrompt{72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33};
 
+// The generation loop by hand: one forward over the whole sequence each step, the repetition
+// penalty (1: off) over every id so far, argmax of the last row. Returns the generated ids.
+std::vector<int32_t> argmax_loop_by_hand(DenseModel& model, size_t steps, float penalty) {
+  std::vector<int32_t> ids = kPrompt;
+  for (size_t step = 0; step < steps; ++step) {
+    BlockAllocator allocator(model.n_blocks(), model.block_size());
+    BlockTable table;
+    allocator.append(table, int64_t(ids.size()));
+    std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
+    const int32_t last = int32_t(ids.size() - 1);
+    Result<std::vector<float>> logits =
+        model.forward({ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1)});
+    EXPECT_TRUE(logits.ok()) << logits.message();
+    if (!logits.ok()) return {};
+    if (penalty != 1.0f) {
+      for (int32_t id : std::set<int32_t>(ids.begin(), ids.end())) {
+        float& l = (*logits)[size_t(id)];
+        l = l > 0.0f ? l / penalty : l * penalty;
+      }
+    }
+    ids.push_back(argmax_logit(*logits));
+  }
+  return std::vector<int32_t>(ids.begin() + long(kPrompt.size()), ids.end());
+}
+
 TEST_F(Generate, GreedyEqualsAnArgmaxLoopAndIsNotDegenerate) {
   auto model = load();
   ASSERT_NE(model, nullptr);
@@ -62,23 +88,10 @@ TEST_F(Generate, GreedyEqualsAnArgmaxLoopAndIsNotDegenerate) {
   const std::set<int32_t> distinct(result->output_ids.begin(), result->output_ids.end());
   EXPECT_GE(distinct.size(), 4u);
 
-  // The same loop by hand: one forward over the whole sequence each step, argmax of the last row.
+  // The same loop by hand.
   auto fresh = load();
-  std::vector<int32_t> ids = kPrompt;
-  for (size_t step = 0; step < 16; ++step) {
-    BlockAllocator allocator(fresh->n_blocks(), fresh->block_size());
-    BlockTable table;
-    allocator.append(table, int64_t(ids.size()));
-    std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-    const int32_t last = int32_t(ids.size() - 1);
-    Result<std::vector<float>> logits =
-        fresh->forward({ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1)});
-    ASSERT_TRUE(logits.ok()) << logits.message();
-    ids.push_back(argmax_logit(*logits));
-  }
-  EXPECT_EQ(std::vector<int32_t>(ids.begin() + long(kPrompt.size()), ids.end()),
-            result->output_ids);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_EQ(argmax_loop_by_hand(*fresh, 16, 1.0f), result->output_ids);
 }
 
 // With a repetition penalty, each greedy step is the argmax of the last row's logits after the
@@ -97,25 +110,8 @@ TEST_F(Generate, RepetitionPenaltyEqualsAPenalisedArgmaxLoop) {
   EXPECT_NE(result->output_ids, plain->output_ids) << "the penalty changed nothing";
 
   auto fresh = load();
-  std::vector<int32_t> ids = kPrompt;
-  for (size_t step = 0; step < 12; ++step) {
-    BlockAllocator allocator(fresh->n_blocks(), fresh->block_size());
-    BlockTable table;
-    allocator.append(table, int64_t(ids.size()));
-    std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-    const int32_t last = int32_t(ids.size() - 1);
-    Result<std::vector<float>> logits =
-        fresh->forward({ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1)});
-    ASSERT_TRUE(logits.ok()) << logits.message();
-    for (int32_t id : std::set<int32_t>(ids.begin(), ids.end())) {
-      float& l = (*logits)[size_t(id)];
-      l = l > 0.0f ? l / 1.8f : l * 1.8f;
-    }
-    ids.push_back(argmax_logit(*logits));
-  }
-  EXPECT_EQ(std::vector<int32_t>(ids.begin() + long(kPrompt.size()), ids.end()),
-            result->output_ids);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_EQ(argmax_loop_by_hand(*fresh, 12, 1.8f), result->output_ids);
 }
 
 TEST_F(Generate, ChunkedPrefillGivesTheSameTokens) {
