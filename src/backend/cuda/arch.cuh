@@ -4,7 +4,8 @@
 // (no instruction newer than sm_70) and the H200 can test it; the host then dispatches as on a
 // V100 too (compute_capability in device.h reports at most 70).
 //
-// Every architecture test in the CUDA backend goes through this macro, never __CUDA_ARCH__.
+// Every instruction-set test in the CUDA backend goes through this macro; only resource limits of
+// the real target (threads per SM) read __CUDA_ARCH__.
 #pragma once
 
 #if defined(__CUDA_ARCH__)

@@ -146,13 +146,13 @@ __device__ __forceinline__ void cp_async_wait() {
 // the addresses of matrix j's rows; lane l receives row l / 4, columns 2(l % 4)..+1 of matrix j in
 // r[j] (trans: of the transposed matrix). sm_75+: ldmatrix. Volta path: the row addresses by
 // shuffle and plain shared loads (4-byte words; two 2-byte loads per word transposed).
-__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+__device__ __forceinline__ uint32_t shared_window_address(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* ptr) {
 #if defined(__CUDA_ARCH__) && E4KV_DEVICE_ARCH < 750
-  const uint32_t addr = shared_address(ptr);
+  const uint32_t addr = shared_window_address(ptr);
   const unsigned lane = lane_index();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -162,13 +162,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* ptr) {
 #else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(ptr)));
+               : "r"(shared_window_address(ptr)));
 #endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* ptr) {
 #if defined(__CUDA_ARCH__) && E4KV_DEVICE_ARCH < 750
-  const uint32_t addr = shared_address(ptr);
+  const uint32_t addr = shared_window_address(ptr);
   const unsigned lane = lane_index();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 #else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(ptr)));
+               : "r"(shared_window_address(ptr)));
 #endif
 }
 

@@ -334,11 +334,12 @@ struct ChunkToE4m3 {
 
 // Threads an SM holds, which bounds the CTAs that __launch_bounds__ may ask for: 2048 on sm_70,
 // sm_80, sm_90 and sm_100, 1024 on sm_75, 1536 assumed elsewhere (sm_86, sm_89, sm_120; asking for
-// fewer CTAs than fit only loosens the register budget).
-#if E4KV_DEVICE_ARCH == 750
+// fewer CTAs than fit only loosens the register budget). A resource of the real target, so
+// __CUDA_ARCH__ and not E4KV_DEVICE_ARCH (a Volta-path build for sm_75 still has sm_75's SMs).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kMaxThreadsPerSm = 1024;
-#elif E4KV_DEVICE_ARCH != 0 && E4KV_DEVICE_ARCH != 700 && E4KV_DEVICE_ARCH != 800 && \
-    E4KV_DEVICE_ARCH != 900 && E4KV_DEVICE_ARCH != 1000
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 700 && __CUDA_ARCH__ != 800 && \
+    __CUDA_ARCH__ != 900 && __CUDA_ARCH__ != 1000
 constexpr int kMaxThreadsPerSm = 1536;
 #else
 constexpr int kMaxThreadsPerSm = 2048;
