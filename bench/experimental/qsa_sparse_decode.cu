@@ -37,6 +37,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cluster.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/decode_attention_device.cuh"
@@ -86,7 +87,7 @@ constexpr int smem_bytes() {
   return keys_offset<kHeadDim, Elem>() + kKeysCapacity * int(sizeof(int32_t));
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
 // The row's key list for decode_attention_body: entries in shared memory.
 struct SharedKeys {
   const int32_t* sel;
@@ -166,7 +167,7 @@ __device__ __noinline__ void emit_slow(const FilterKernelParams& p, int64_t row,
 template <int kHeadDim, class Elem>
 __global__ void __launch_bounds__(kThreads, 1)
     qsa_sparse_decode_kernel(const __grid_constant__ SparseDecodeParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
   E4KV_TL_ENTER_DEPENDENT_GRID(kTlSparseDecode);
   using Shape = SparseShape<kHeadDim, Elem>;
   static_assert(Select::kSmemBytes <= size_t(Shape::kReceiveOffset),

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/e4m3_vec.cuh"
@@ -207,7 +208,7 @@ TEST(E4m3Cuda, DeviceEncodeMatchesHostEncode) {
 // Compares e4m3_from_float_satfinite with the hardware conversion on every fp32 bit pattern.
 __global__ void exhaustive_vs_hardware_kernel(uint32_t first, unsigned long long* mismatches,
                                               uint32_t* first_bad, unsigned long long* checked) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if E4KV_DEVICE_ARCH >= 890
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   unsigned long long count = 0;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t(1) << 30);

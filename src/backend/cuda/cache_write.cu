@@ -83,6 +83,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/launch.cuh"
@@ -247,7 +248,7 @@ __device__ __forceinline__ uint32_t encode4_finite(uint32_t w0, uint32_t w1, flo
 template <CacheWriteDivision kDivision>
 __device__ __forceinline__ uint32_t encode4_hardware(uint32_t w0, uint32_t w1, float scale,
                                                      float r) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
+#if E4KV_DEVICE_ARCH >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
   const auto signed_quotient = [&](uint32_t bits16) {
     const float x = half_bits_to_float(bits16);
     return copysignf(divide<kDivision>(fabsf(x), scale, r), x);
@@ -331,13 +332,14 @@ struct ChunkToE4m3 {
   }
 };
 
-// Threads an SM holds, which bounds the CTAs that __launch_bounds__ may ask for: 2048 on sm_80,
-// sm_90 and sm_100, 1024 on sm_75, 1536 assumed elsewhere (sm_86, sm_89, sm_120; asking for fewer
-// CTAs than fit only loosens the register budget).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// Threads an SM holds, which bounds the CTAs that __launch_bounds__ may ask for: 2048 on sm_70,
+// sm_80, sm_90 and sm_100, 1024 on sm_75, 1536 assumed elsewhere (sm_86, sm_89, sm_120; asking for
+// fewer CTAs than fit only loosens the register budget). A resource of the real target, so
+// __CUDA_ARCH__ and not E4KV_DEVICE_ARCH (a Volta-path build for sm_75 still has sm_75's SMs).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
 constexpr int kMaxThreadsPerSm = 1024;
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 800 && __CUDA_ARCH__ != 900 && \
-    __CUDA_ARCH__ != 1000
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 700 && __CUDA_ARCH__ != 800 && \
+    __CUDA_ARCH__ != 900 && __CUDA_ARCH__ != 1000
 constexpr int kMaxThreadsPerSm = 1536;
 #else
 constexpr int kMaxThreadsPerSm = 2048;

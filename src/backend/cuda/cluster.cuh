@@ -3,16 +3,18 @@
 // counted by the receiver's mbarrier (the sender needs no fence and no barrier: the receiver waits
 // for the bytes it expects). Used by the top-k's cluster method and the decode attention's
 // cluster merge. Device-only; every function compiles to nothing usable below sm_90, so callers
-// guard their use with __CUDA_ARCH__ >= 900.
+// guard their use with E4KV_DEVICE_ARCH >= 900 (arch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "backend/cuda/arch.cuh"
+
 namespace e4kv::cuda {
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#if !defined(__CUDA_ARCH__) || E4KV_DEVICE_ARCH >= 900
 // Cluster barrier halves without a memory fence: the data the CTAs exchange travels by st.async
 // into the receiver's shared memory and is tracked by the receiver's mbarrier, so no barrier has
 // to publish it (a release arrive costs a GPU-scope MEMBAR: ncu put about 1.5K cycles on each).

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cluster.cuh"
 #include "backend/cuda/e4m3_vec.cuh"
@@ -243,7 +244,7 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
                                                       uint8_t* decode_smem) {
   using Shape = DecodeShape<kHeadDim, Elem::kBytes, kHeadTiles, kAsync, kWarps, kCluster>;
   constexpr bool kClusterMerge = Shape::kClusterMerge;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
   // Cluster merge: the receive barrier expects every CTA's bytes; the relaxed arrive here and the
   // wait before the first send make its initialisation visible to the senders.
   if constexpr (kClusterMerge) {
@@ -719,7 +720,7 @@ __device__ __forceinline__ void decode_attention_body(const DecodeKernelParams& 
     partial = blockIdx.y;
   }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
   if constexpr (kClusterMerge) {
     // The cluster is the row and KV head's kCluster CTAs (rank = blockIdx.y). CTA j merges the
     // m-tiles j + kCluster i: after the CTA combine each warp sends each of its m-tiles (and, with

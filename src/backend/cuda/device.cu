@@ -1,5 +1,6 @@
 #include "backend/cuda/device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -31,7 +32,11 @@ int compute_capability(int device) {
   int minor = 0;
   E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+#if defined(E4KV_VOLTA_PATH)
+  return std::min(major * 10 + minor, 70);
+#else
   return major * 10 + minor;
+#endif
 }
 
 bool e4m3_native_available(int device) {

@@ -6,7 +6,8 @@ namespace e4kv::cuda {
 // Number of CUDA devices; 0 when there is no device or no driver.
 int device_count();
 
-// Compute capability as major * 10 + minor.
+// Compute capability as major * 10 + minor: what every host dispatch decides on. A build with
+// E4KV_VOLTA_PATH (arch.cuh) reports at most 70, so that the host takes the paths a V100 takes.
 int compute_capability(int device);
 
 // True when `device` has the native E4M3 conversion (sm_89+), the build did not set

@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "backend/cuda/arch.cuh"
+
 namespace e4kv::cuda {
 
 enum class E4m3Decode { kSoftware, kNative };
@@ -69,7 +71,7 @@ struct E4m3Decoder<E4m3Decode::kNative> {
   static constexpr float kValueFactor = 1.0f;
 
   __device__ __forceinline__ static void decode4(uint32_t codes, uint32_t& lo, uint32_t& hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
+#if E4KV_DEVICE_ARCH >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
     asm("{\n\t"
         ".reg .b16 l, h;\n\t"
         "mov.b32 {l, h}, %2;\n\t"
@@ -88,7 +90,7 @@ struct E4m3Decoder<E4m3Decode::kNative> {
 
   template <int kByte>
   __device__ __forceinline__ static uint32_t decode_pair(uint32_t x, uint32_t y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
+#if E4KV_DEVICE_ARCH >= 890 && !defined(E4KV_FORCE_SOFTWARE_E4M3)
     const uint32_t pair = __byte_perm(x, y, uint32_t((4 + kByte) << 4 | kByte));
     uint32_t out;
     asm("{\n\t"

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 
@@ -35,7 +36,7 @@ namespace e4kv::cuda {
 
 // First statement of every kernel launched through launch_kernel.
 __device__ __forceinline__ void enter_dependent_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }

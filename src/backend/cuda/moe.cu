@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launch.cuh"
@@ -314,16 +315,10 @@ struct GemmParams {
   int32_t top_k;
 };
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* ptr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))));
-}
-
 // c += a (16x16) * b (16x8), FP16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                             uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if E4KV_DEVICE_ARCH >= 800
   mma_m16n8k16(c, a[0], a[1], a[2], a[3], b0, b1);
 #else
   mma_m16n8k8(c, a[0], a[1], b0);

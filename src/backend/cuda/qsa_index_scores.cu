@@ -66,6 +66,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launch.cuh"
@@ -135,7 +136,7 @@ __device__ __forceinline__ void widen8(const uint4 raw, float (&out)[8]) {
 // cp.async.cg on sm_80+ (no branch for rows that are not read), plain load and store below.
 __device__ __forceinline__ void copy_16_or_zero(uint4* smem, const uint16_t* gmem,
                                                 uint32_t src_bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if E4KV_DEVICE_ARCH >= 800
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(src_bytes)

@@ -45,8 +45,10 @@
 #include <mutex>
 #include <vector>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cluster.cuh"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/qsa_topk_device.cuh"
 #include "backend/cuda/timeline.cuh"
@@ -515,7 +517,7 @@ static_assert(ClusterShape<kClusterThreads, kClusterShortSlots>::kMaxGroups == 3
 template <int kSlots>
 __global__ void __launch_bounds__(kClusterThreads)
     qsa_top_k_cluster_kernel(const __grid_constant__ FilterKernelParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
   E4KV_TL_ENTER_DEPENDENT_GRID(kTlTopK);
   const bool marker = blockIdx.x == 0 && threadIdx.x == 0;
   if (marker) E4KV_TL_PHASE(0);
@@ -579,7 +581,7 @@ bool cluster_top_k_usable() {
   }
   int cluster_launch = 0;
   E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&cluster_launch, cudaDevAttrClusterLaunch, device));
-  bool usable = cluster_launch != 0;
+  bool usable = cluster_launch != 0 && compute_capability(device) >= 90;
   if (usable) {
     // This binary may lack sm_90 code (the kernel compiled for an older architecture is an empty
     // shell): the code the device loads must come from compute_90 or later.

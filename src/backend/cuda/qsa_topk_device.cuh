@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/arch.cuh"
 #include "backend/cuda/cluster.cuh"
 #include "backend/cuda/qsa_topk.cuh"
 #include "backend/cuda/timeline.cuh"
@@ -545,7 +546,7 @@ struct ClusterSelection {
   int32_t slice_group_end;
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if E4KV_DEVICE_ARCH >= 900
 // Steps 1-3 for row `row` in the CTA of cluster rank `rank`; every thread of every CTA of the
 // cluster calls it. Unless short_row, it returns with the CTA's arrival on the cluster barrier
 // made (after every send into this CTA has landed): the caller waits on it (cluster_wait) before
