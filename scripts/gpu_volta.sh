@@ -9,7 +9,8 @@
 #     type from both builds (ops per byte = 32 x warp instructions / KV bytes).
 # Steps start only while BUDGET_S (default 560) seconds have not passed; AFTER_BUILD, when set, is
 # a command run once both builds are done (with build-gpu/e4kv available). Logs and JSON go to
-# $OUT (or ./out). Usage: [BUDGET_S=...] [AFTER_BUILD=...] scripts/gpu_volta.sh
+# $OUT (or ./out), packed into $OUT/volta_round.tgz at the end.
+# Usage: [BUDGET_S=...] [AFTER_BUILD=...] scripts/gpu_volta.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -94,4 +95,7 @@ if [ "$volta_rc" -eq 0 ]; then
 fi
 
 echo "=== summary ($(( $(date +%s) - T0 )) s): $([ $status -eq 0 ] && echo OK || echo FAILURES)"
+# A device call brings back only a few files: everything goes home as one archive.
+pack=$(mktemp -d)/volta_round.tgz
+tar czf "$pack" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "$pack" "$OUT/"
 exit $status
