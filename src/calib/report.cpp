@@ -79,6 +79,10 @@ const char* const kConventions[] = {
     "low range: non-zero values with fl(|x| / s) < 2^-9 and in [2^-9, 2^-6), over the non-zero "
     "finite values; a bin counts when its largest value is below the threshold (a lower bound; "
     "exact at scale 1.0)",
+    "E4M3 rel L2: the relative L2 error of storing the values as E4M3 at the scale (encode, "
+    "decode, times the scale), sqrt(sum of squared errors / sum of squares), with each bin's "
+    "values spread evenly over the bin; what rounding alone costs, the floor under the attention "
+    "output's error",
     "shard spread: max / min of the per-shard absmax",
 };
 
@@ -151,6 +155,8 @@ std::string report_json(const Summary& summary) {
     entry["saturation_ratio"] = ts.saturation_ratio;
     entry["at_scale_1"] = low_range_json(ts.at_unit);
     entry["at_calibrated_scale"] = low_range_json(ts.at_scale);
+    entry["e4m3_rounding_rel_l2"] = {{"at_scale_1", ts.rounding_rel_l2_unit},
+                                     {"at_calibrated_scale", ts.rounding_rel_l2}};
     ordered_json shards;
     for (const ShardAbsmax& s : ts.shard_absmax) shards[s.shard] = s.absmax;
     entry["shard_absmax"] = std::move(shards);
@@ -199,13 +205,29 @@ std::string report_markdown(const Summary& summary) {
             " of non-zero values below 2^-9, ", percent(totals.at_unit.subnormal),
             " in [2^-9, 2^-6)\n");
   md += cat("- Low range at the calibrated scales: ", percent(totals.at_scale.below_min_subnormal),
-            " below 2^-9, ", percent(totals.at_scale.subnormal), " in [2^-9, 2^-6)\n\n");
+            " below 2^-9, ", percent(totals.at_scale.subnormal), " in [2^-9, 2^-6)\n");
+  for (KvTensor kind : {KvTensor::kK, KvTensor::kV}) {
+    double lo = 0.0, hi = 0.0;
+    bool any = false;
+    for (const TensorSummary& t : summary.tensors) {
+      if (t.tensor != kind) continue;
+      lo = any ? std::min(lo, t.rounding_rel_l2) : t.rounding_rel_l2;
+      hi = any ? std::max(hi, t.rounding_rel_l2) : t.rounding_rel_l2;
+      any = true;
+    }
+    if (any) {
+      md += cat("- E4M3 rounding error of ", kind == KvTensor::kK ? "K" : "V",
+                " at the calibrated scales (relative L2): ", format_g(lo, 4), " to ",
+                format_g(hi, 4), "\n");
+    }
+  }
+  md += "\n";
 
   md += "## Per tensor\n\n";
   md +=
       "| key | absmax | p99.9 | p99.99 | scale | saturation | <2^-9 @1 | [2^-9,2^-6) @1 | "
-      "<2^-9 @s | [2^-9,2^-6) @s | shard spread |\n";
-  md += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "<2^-9 @s | [2^-9,2^-6) @s | E4M3 rel L2 @1 | E4M3 rel L2 @s | shard spread |\n";
+  md += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const TensorSummary& t : summary.tensors) {
     std::string scale = format_g(t.scale, 9);
     if (t.envelope_scale && *t.envelope_scale >= t.scale_from_stats) scale += " (old)";
@@ -213,6 +235,7 @@ std::string report_markdown(const Summary& summary) {
               format_g(t.p99_99, 6), " | ", scale, " | ", percent(t.saturation_ratio), " | ",
               percent(t.at_unit.below_min_subnormal), " | ", percent(t.at_unit.subnormal), " | ",
               percent(t.at_scale.below_min_subnormal), " | ", percent(t.at_scale.subnormal), " | ",
+              format_g(t.rounding_rel_l2_unit, 4), " | ", format_g(t.rounding_rel_l2, 4), " | ",
               t.shard_spread ? format_g(*t.shard_spread, 4) : std::string("n/a"), " |\n");
   }
   if (summary.envelope_path) md += "\n(old): the envelope's scale was the larger.\n";
@@ -560,7 +583,6 @@ std::string report_svg(const Summary& summary) {
 
 // ---- files
 // ---------------------------------------------------------------------------------------
-
 
 Status write_report(const std::filesystem::path& dir, const Summary& summary) {
   std::error_code ec;

@@ -148,6 +148,39 @@ LowRange low_range_of(const LowCounts& counts, int64_t nonzero) {
 
 }  // namespace
 
+double e4m3_rounding_rel_l2(const KvTensorStats& stats, float scale) {
+  constexpr int kPoints = 32;
+  const float absmax = stats.absmax();
+  double sum_err2 = 0.0;
+  double sum_x2 = 0.0;
+  auto add_range = [&](int64_t count, double lo, double hi) {
+    double err2 = 0.0;
+    double x2 = 0.0;
+    for (int i = 0; i < kPoints; ++i) {
+      const float x = float(lo + (hi - lo) * (i + 0.5) / kPoints);
+      const double err = double(e4m3_decode(e4m3_encode(x, scale))) * double(scale) - double(x);
+      err2 += err * err;
+      x2 += double(x) * double(x);
+    }
+    sum_err2 += double(count) * err2 / kPoints;
+    sum_x2 += double(count) * x2 / kPoints;
+  };
+  if (stats.underflow() > 0) {
+    const double x = std::min(double(absmax), double(kBelowRangeMax));
+    sum_err2 += double(stats.underflow()) * x * x;  // flushed to 0
+    sum_x2 += double(stats.underflow()) * x * x;
+  }
+  const std::vector<int64_t> hist = stats.histogram();
+  for (int b = 0; b < kKvHistBins; ++b) {
+    if (hist[size_t(b)] == 0) continue;
+    const double lo = double(kv_hist_bin_min(b));
+    add_range(hist[size_t(b)], lo,
+              std::max(lo, std::min(double(absmax), double(kv_hist_bin_max(b)))));
+  }
+  if (stats.overflow() > 0) add_range(stats.overflow(), double(absmax), double(absmax));
+  return sum_x2 > 0.0 ? std::sqrt(sum_err2 / sum_x2) : 0.0;
+}
+
 LowRange low_range(const KvTensorStats& stats, float scale) {
   return low_range_of(low_counts(stats, scale), stats.nonzero());
 }
@@ -273,6 +306,8 @@ Result<Summary> summarize(std::vector<SummaryInput> inputs, const SummarizeOptio
     const LowCounts scaled = low_counts(t.stats, t.scale);
     t.at_unit = low_range_of(unit, t.stats.nonzero());
     t.at_scale = low_range_of(scaled, t.stats.nonzero());
+    t.rounding_rel_l2_unit = e4m3_rounding_rel_l2(t.stats, 1.0f);
+    t.rounding_rel_l2 = e4m3_rounding_rel_l2(t.stats, t.scale);
 
     float shard_min = std::numeric_limits<float>::infinity();
     float shard_max = 0.0f;

@@ -62,6 +62,15 @@ struct LowRange {
 };
 LowRange low_range(const KvTensorStats& stats, float scale);
 
+// Relative L2 error of storing the values as E4M3 at `scale` (the cache write's encode, then the
+// exact decode times `scale`) over all finite values: sqrt(sum of squared errors / sum of
+// squares). Estimated from the histogram: each bin's values taken as spread evenly over the bin
+// (its upper edge capped at absmax) and integrated at 32 points with the exact codec; underflow
+// counts as flushed to 0 (error = value), overflow as absmax. For smooth data it is within a few
+// percent of the figure over the raw values (tested on Gaussian values at several scales). What
+// rounding alone costs, whatever the scale: about 0.027 for Gaussian values in E4M3's normal range.
+double e4m3_rounding_rel_l2(const KvTensorStats& stats, float scale);
+
 struct ShardAbsmax {
   std::string shard;  // the shard number, or "merged" for files whose "shard" is null
   float absmax = 0.0f;
@@ -82,9 +91,11 @@ struct TensorSummary {
   float scale = 0.0f;  // the final scale: max(scale_from_stats, envelope_scale)
 
   int64_t saturated = 0;
-  double saturation_ratio = 0.0;  // of count
-  LowRange at_unit;               // at scale 1.0
-  LowRange at_scale;              // at `scale`
+  double saturation_ratio = 0.0;      // of count
+  LowRange at_unit;                   // at scale 1.0
+  LowRange at_scale;                  // at `scale`
+  double rounding_rel_l2_unit = 0.0;  // e4m3_rounding_rel_l2 at scale 1.0
+  double rounding_rel_l2 = 0.0;       // at `scale`
 
   std::vector<ShardAbsmax> shard_absmax;
   std::optional<double> shard_spread;  // max / min over shards

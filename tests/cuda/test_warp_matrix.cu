@@ -139,7 +139,8 @@ TEST(WarpMatrix, Mma16x8x8EqualsExactProducts) {
 
 // Four 8x8 matrices in shared memory with a padded row stride, row order scrambled so that the
 // row addresses the lanes pass are not one linear run; r[j] per lane for both ldmatrix forms.
-constexpr int kStride = 16;  // halves per shared row (8 + 8 padding: 32 bytes; ldmatrix wants 16-byte rows)
+// Halves per shared row: 8 + 8 padding, 32 bytes (ldmatrix wants 16-byte aligned rows).
+constexpr int kStride = 16;
 
 __global__ void ldmatrix_kernel(const uint16_t* src, uint32_t* plain, uint32_t* trans) {
   __shared__ __align__(16) uint16_t tile[32 * kStride];
