@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Volta path (arch.cuh) on the GPU machine, next to the normal build, in one device call:
-#   - the PTX check (scripts/check_volta_ptx.py: no instruction newer than sm_70);
+#   - the PTX check (scripts/check_volta_ptx.py: no instruction newer than sm_70), and the decode
+#     kernels' loop counts in the SASS of sm_75 builds with and without the Volta path;
 #   - build-gpu (sm_90, the normal path) and build-volta (sm_90 with E4KV_VOLTA_PATH: the code a
 #     V100 runs, dispatched as on a V100), built side by side;
 #   - the warp-matrix tests in both builds, then every CUDA test through the Volta path;
@@ -56,12 +57,29 @@ gpu_pid=$!
 cmake --build build-volta -j "$JOBS" --target e4kv_cuda_tests e4kv_bench_decode_attention \
   >"$OUT/build_volta.log" 2>&1 &
 volta_pid=$!
+# The decode kernels' SASS for sm_75, with and without the Volta path (the V100 estimate's counts).
+sass() {  # sass NAME EXTRA_FLAGS...
+  local name=$1; shift
+  nvcc -cubin -arch=sm_75 -std=c++20 --expt-relaxed-constexpr -O3 -DNDEBUG -Iinclude -Isrc "$@" \
+    src/backend/cuda/paged_decode_attention.cu -o "build/decode_$name.cubin" &&
+    cuobjdump -sass "build/decode_$name.cubin" >"build/decode_$name.sass" &&
+    for kernel in ILi128ENS0_7ElemF16ELi1ELb0ELi4ELi0E ILi256ENS0_7ElemF16ELi1ELb0ELi4ELi0E \
+      ILi128ENS0_8ElemE4m3ILNS0_10E4m3DecodeE0EEELi1ELb0ELi4ELi0E \
+      ILi256ENS0_8ElemE4m3ILNS0_10E4m3DecodeE0EEELi1ELb0ELi4ELi0E; do
+      python3 scripts/sass_loop_counts.py "build/decode_$name.sass" "$kernel"
+    done
+}
+mkdir -p build
+sass sm75 >"$OUT/sass_sm75.log" 2>&1 &
+sass volta_sm75 -DE4KV_VOLTA_PATH=1 >"$OUT/sass_volta_sm75.log" 2>&1 &
 python3 scripts/check_volta_ptx.py --self-test --jobs 4 --out "$PWD/build/volta-ptx" \
   >"$OUT/ptx_check.log" 2>&1
 ptx_rc=$?
 wait $gpu_pid; gpu_rc=$?
 wait $volta_pid; volta_rc=$?
+wait  # the SASS counts
 tail -3 "$OUT/ptx_check.log"
+cat "$OUT/sass_sm75.log" "$OUT/sass_volta_sm75.log"
 for b in gpu volta; do
   rc_var=${b}_rc
   if [ "${!rc_var}" -ne 0 ]; then echo "!!! build_$b failed"; grep -m 20 -B2 -A8 "error" "$OUT/build_$b.log"; status=1; fi
