@@ -16,14 +16,10 @@
 #include "backend/cuda/device.h"
 #include "backend/cuda/e4m3_vec.cuh"
 #include "e4kv/e4m3.h"
+#include "cuda/require_gpu.h"
 
 namespace e4kv::cuda {
 namespace {
-
-#define E4KV_REQUIRE_GPU()                                     \
-  do {                                                         \
-    if (device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 template <E4m3Decode kMode>
 __global__ void decode_all_codes_kernel(uint16_t* out) {  // [256] fp16 bits

@@ -29,15 +29,11 @@
 #include "core/half.h"
 #include "core/status.h"
 #include "device_buffer.cuh"
+#include "require_gpu.h"
 #include "testing/compare.h"
 
 namespace e4kv::cuda {
 namespace {
-
-#define E4KV_REQUIRE_GPU()                                     \
-  do {                                                         \
-    if (device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 // Tolerance of an FP16 output against the fp32 reference. The kernels compute in fp32 with the
 // reference's products (no FMA contraction where the reference adds them) and differ from it only

@@ -17,14 +17,10 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "cuda/device_buffer.cuh"
+#include "cuda/require_gpu.h"
 
 namespace e4kv::cuda {
 namespace {
-
-#define E4KV_REQUIRE_GPU()                                     \
-  do {                                                         \
-    if (device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 uint16_t half_bits(float v) {
   const __half h = __float2half_rn(v);
