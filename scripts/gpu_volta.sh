@@ -9,7 +9,8 @@
 #   - ncu warp-instruction and DRAM-byte counts of one decode kernel launch per shape and cache
 #     type from both builds (ops per byte = 32 x warp instructions / KV bytes).
 # Steps start only while BUDGET_S (default 560) seconds have not passed; AFTER_BUILD, when set, is
-# a command run once both builds are done (with build-gpu/e4kv available). Logs and JSON go to
+# a command run once both builds are done (with build-gpu/e4kv available); TESTS_ONLY=1 skips the
+# benchmark and ncu steps and runs every CUDA test of the normal build instead. Logs and JSON go to
 # $OUT (or ./out), packed into $OUT/volta_round.tgz at the end.
 # Usage: [BUDGET_S=...] [AFTER_BUILD=...] scripts/gpu_volta.sh
 set -uo pipefail
@@ -63,6 +64,7 @@ sass() {  # sass NAME EXTRA_FLAGS...
   nvcc -cubin -arch=sm_75 -std=c++20 --expt-relaxed-constexpr -O3 -DNDEBUG -Iinclude -Isrc "$@" \
     src/backend/cuda/paged_decode_attention.cu -o "build/decode_$name.cubin" &&
     cuobjdump -sass "build/decode_$name.cubin" >"build/decode_$name.sass" &&
+    gzip -c "build/decode_$name.sass" >"$OUT/decode_$name.sass.gz" &&
     for kernel in ILi128ENS0_7ElemF16ELi1ELb0ELi4ELi0E ILi256ENS0_7ElemF16ELi1ELb0ELi4ELi0E \
       ILi128ENS0_8ElemE4m3ILNS0_10E4m3DecodeE0EEELi1ELb0ELi4ELi0E \
       ILi256ENS0_8ElemE4m3ILNS0_10E4m3DecodeE0EEELi1ELb0ELi4ELi0E; do
@@ -95,6 +97,11 @@ if [ "$volta_rc" -eq 0 ]; then
   step warp_matrix_gpu 30 build-gpu/tests/e4kv_cuda_tests --gtest_filter='WarpMatrix.*'
   step warp_matrix_volta 30 build-volta/tests/e4kv_cuda_tests --gtest_filter='WarpMatrix.*'
   step cuda_tests_volta 200 build-volta/tests/e4kv_cuda_tests
+fi
+if [ -n "${TESTS_ONLY:-}" ] && [ "$gpu_rc" -eq 0 ]; then
+  step cuda_tests_gpu 200 build-gpu/tests/e4kv_cuda_tests
+fi
+if [ "$volta_rc" -eq 0 ] && [ -z "${TESTS_ONLY:-}" ]; then
   for shape in b8_h32_kv8_d128_32k b4_h16_kv2_d256_128k; do
     for b in gpu volta; do
       step "decode_${b}_$shape" 40 "build-$b/bench/e4kv_bench_decode_attention" \
