@@ -11,5 +11,5 @@ mkdir -p "$OUT"
 "$E4KV" overlay "$MODEL" --scales "$OUT/scales.json" --out "$W/derived"
 "$E4KV" verify "$W/derived"
 "$E4KV" compare "$W/derived" --device cuda --prompts "$DATA/eval.jsonl" --max-tokens 16 \
-  --with-unit-control --task passkey --context 1k,2k,4k,8k --depths 0,50,100 --passkey-trials 3 \
+  --with-unit-control --isolated --task passkey --context 1k,2k,4k,8k --depths 0,50,100 --passkey-trials 3 \
   --max-model-len 8320 --out "$OUT/compare"

@@ -13,7 +13,10 @@ on the attention output before the output gate ("ungated") and after it ("gated"
 probe sees, the output o_proj reads).
 
 Usage: scripts/hf_kv_rounding_floor.py MODEL_DIR DATA_DIR OUT.json [--device cuda]
-(DATA_DIR holds calibration.jsonl and eval.jsonl, e.g. data/tiny)
+       [--calibration-docs N] [--eval-docs N]
+(DATA_DIR holds calibration.jsonl and eval.jsonl, e.g. data/tiny; the first N documents of each,
+all by default. `e4kv compare --isolated` measures the same thing in the engine: the quality test
+compares the two on its subset.)
 """
 import argparse
 import json
@@ -119,6 +122,8 @@ def main() -> int:
     ap.add_argument("data", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calibration-docs", type=int, default=None)
+    ap.add_argument("--eval-docs", type=int, default=None)
     args = ap.parse_args()
     t0 = time.time()
     device = torch.device(args.device)
@@ -141,7 +146,7 @@ def main() -> int:
         return tokens
 
     Probe.mode = "absmax"
-    calib_tokens = run(read_texts(args.data / "calibration.jsonl"))
+    calib_tokens = run(read_texts(args.data / "calibration.jsonl")[: args.calibration_docs])
     if not Probe.absmax:
         raise SystemExit("the attention probe was never called: transformers no longer routes "
                          "eager attention through modeling_qwen4_exp.eager_attention_forward")
@@ -152,7 +157,7 @@ def main() -> int:
             s = torch.nextafter(s, torch.tensor(math.inf))
         Probe.scales[key] = float(s)
     Probe.mode = "measure"
-    eval_tokens = run(read_texts(args.data / "eval.jsonl"))
+    eval_tokens = run(read_texts(args.data / "eval.jsonl")[: args.eval_docs])
 
     layers = sorted({layer for layer, _ in Probe.scales})
     result = {"model": str(args.model), "transformers": transformers.__version__,

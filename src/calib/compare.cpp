@@ -24,7 +24,11 @@ std::string fmt(const char* format, double value) {
 // A finite double for JSON (null otherwise).
 json number(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 
-json mode_json(const ModeCompare& m, bool reference) {
+json error_json(const OutputError& e) {
+  return {{"rel_l2", number(e.rel_l2)}, {"cosine", number(e.cosine)}, {"rmse", number(e.rmse)}};
+}
+
+json mode_json(const ModeCompare& m, bool reference, bool isolated) {
   json j;
   j["name"] = m.name;
   j["scales"] = m.scales;
@@ -36,9 +40,8 @@ json mode_json(const ModeCompare& m, bool reference) {
     j["kl_positions"] = m.kl_positions;
     j["first_token_equal"] = m.first_token_equal;
     const OutputError all = m.aggregate_output();
-    j["attention_output"] = {{"rel_l2", number(all.rel_l2)},
-                             {"cosine", number(all.cosine)},
-                             {"rmse", number(all.rmse)}};
+    j["attention_output"] = error_json(all);
+    if (isolated) j["attention_output_isolated"] = error_json(m.aggregate_isolated());
     json layers = json::array();
     for (const LayerCompare& l : m.layers) {
       const OutputError e = l.output.result();
@@ -47,6 +50,7 @@ json mode_json(const ModeCompare& m, bool reference) {
                   {"rel_l2", number(e.rel_l2)},
                   {"cosine", number(e.cosine)},
                   {"rmse", number(e.rmse)}};
+      if (isolated) row["isolated"] = error_json(l.isolated.result());
       if (l.qsa && l.rows > 0) {
         row["selection"] = {
             {"rows", l.rows},
@@ -93,6 +97,11 @@ LayerCompare& ModeCompare::layer_entry(int64_t layer, bool qsa) {
 void ModeCompare::add_output(int64_t layer, bool qsa, std::span<const float> test,
                              std::span<const float> ref) {
   layer_entry(layer, qsa).output.add(test, ref);
+}
+
+void ModeCompare::add_isolated_output(int64_t layer, bool qsa, std::span<const float> test,
+                                      std::span<const float> ref) {
+  layer_entry(layer, qsa).isolated.add(test, ref);
 }
 
 void ModeCompare::add_selection(int64_t layer, std::span<const int32_t> test_tokens,
@@ -147,6 +156,12 @@ OutputError ModeCompare::aggregate_output() const {
   return all.result();
 }
 
+OutputError ModeCompare::aggregate_isolated() const {
+  OutputErrorAccumulator all;
+  for (const LayerCompare& l : layers) all.merge(l.isolated);
+  return all.result();
+}
+
 double ModeCompare::perplexity() const {
   return nll_tokens > 0 ? std::exp(sum_nll / double(nll_tokens)) : 0.0;
 }
@@ -159,9 +174,10 @@ std::string compare_json(const CompareReport& report) {
   j["prompts"] = report.prompts;
   j["teacher_forced_tokens"] = report.teacher_forced_tokens;
   j["max_tokens"] = report.max_tokens;
-  j["reference"] = mode_json(report.reference, true);
+  j["isolated"] = report.isolated;
+  j["reference"] = mode_json(report.reference, true, false);
   json modes = json::array();
-  for (const ModeCompare& m : report.modes) modes.push_back(mode_json(m, false));
+  for (const ModeCompare& m : report.modes) modes.push_back(mode_json(m, false, report.isolated));
   j["modes"] = std::move(modes);
   return j.dump(1) + "\n";
 }
@@ -202,6 +218,25 @@ std::string compare_markdown(const CompareReport& report) {
       } else {
         md += "- | - | - | - |\n";
       }
+    }
+  }
+  if (report.isolated) {
+    md += "\n## Attention output on the FP16 run's inputs (--isolated)\n\n"
+          "Each layer of the E4M3 run read the FP16 run's input for that layer: its cache "
+          "format's own error, none carried from earlier layers.\n\n"
+          "| mode | layer | kind | rel L2 | cosine | RMSE | rel L2, whole run |\n"
+          "|---|---|---|---|---|---|---|\n";
+    for (const ModeCompare& m : report.modes) {
+      for (const LayerCompare& l : m.layers) {
+        const OutputError e = l.isolated.result();
+        md += cat("| ", m.name, " | ", l.layer, " | ", l.qsa ? "qsa" : "attention", " | ",
+                  fmt("%.4g", e.rel_l2), " | ", fmt("%.6f", e.cosine), " | ",
+                  fmt("%.4g", e.rmse), " | ", fmt("%.4g", l.output.result().rel_l2), " |\n");
+      }
+      const OutputError all = m.aggregate_isolated();
+      md += cat("| ", m.name, " | all | - | ", fmt("%.4g", all.rel_l2), " | ",
+                fmt("%.6f", all.cosine), " | ", fmt("%.4g", all.rmse), " | ",
+                fmt("%.4g", m.aggregate_output().rel_l2), " |\n");
     }
   }
   if (!report.reference.passkey.empty()) {

@@ -6,6 +6,10 @@
 // - Attention output: per attention/QSA layer, the output before o_proj of every teacher-forced
 //   row, pooled over rows and prompts (OutputErrorAccumulator: relative L2, cosine, RMSE); the
 //   aggregate pools every layer.
+// - Isolated attention output (compare --isolated): the same measure from a second teacher-forced
+//   pass in which every attention/QSA layer of the E4M3 run reads the FP16 run's input for that
+//   layer, so each layer's figure is its cache format's own error (with whatever selection the
+//   format itself causes), none carried from earlier layers.
 // - Selection overlap (QSA layers): per row, the E4M3 selection against the FP16 one as token sets
 //   (selection_row_overlap); means over rows, the exact-row ratio, the micro Jaccard.
 // - Next token: per teacher-forced position t < T-1 of a prompt, KL(p_fp16 || p_mode) of the next
@@ -32,6 +36,7 @@ struct LayerCompare {
   int64_t layer = 0;
   bool qsa = false;
   OutputErrorAccumulator output;
+  OutputErrorAccumulator isolated;  // compare --isolated; empty (n == 0) otherwise
   // Selection overlap sums (QSA layers).
   int64_t rows = 0;
   double sum_jaccard = 0.0;
@@ -71,12 +76,16 @@ struct ModeCompare {
   void add_selection(int64_t layer, std::span<const int32_t> test_tokens,
                      std::span<const int32_t> test_counts, std::span<const int32_t> ref_tokens,
                      std::span<const int32_t> ref_counts, int64_t width);
+  // Adds one layer output of the isolated pass (the layer read the reference's input).
+  void add_isolated_output(int64_t layer, bool qsa, std::span<const float> test,
+                           std::span<const float> ref);
   // Adds a greedy pair: the mode's continuation against the reference's.
   void add_greedy(std::span<const int32_t> test, std::span<const int32_t> ref);
   void add_passkey(int64_t context, int64_t depth, bool correct);
 
   LayerCompare& layer_entry(int64_t layer, bool qsa);
   OutputError aggregate_output() const;
+  OutputError aggregate_isolated() const;  // n == 0 without an isolated pass
   double mean_kl() const { return kl_positions > 0 ? sum_kl / double(kl_positions) : 0.0; }
   double perplexity() const;  // exp(mean NLL); 0 without tokens
 };
@@ -87,6 +96,7 @@ struct CompareReport {
   int64_t prompts = 0;
   int64_t teacher_forced_tokens = 0;
   int64_t max_tokens = 0;
+  bool isolated = false;          // the modes hold isolated-pass figures
   ModeCompare reference;          // "fp16"
   std::vector<ModeCompare> modes;  // "e4m3", then "unit" when asked
 };

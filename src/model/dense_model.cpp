@@ -298,6 +298,8 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
     b.profile_mark("attention");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
+    probe_attention_input(b, batch.probe, int64_t(l), ws.h.data(),
+                          size_t(n * hidden) * dtype_size(b.act_dtype()));
     E4KV_RETURN_IF_ERROR(layer.attention.forward(b, step, cache_view(l), ws.h.data(), ws.o.data(),
                                                  ws.attention, non_finite,
                                                  kv_stats_.sink(int64_t(l), batch.purpose)));

@@ -11,6 +11,7 @@
 //                  PLE history (allocated from the model's pools by sequence slot)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -73,6 +74,13 @@ class ForwardProbe {
   // counts[r] are valid (in the kernel's order), counts [n_rows].
   virtual void qsa_selection(int64_t layer, std::span<const int32_t> tokens,
                              std::span<const int32_t> counts, int64_t width) = 0;
+  // An attention or QSA layer's input (what its projections read: the normalized or mixed hidden
+  // state), every row: in [n_rows, hidden] in the backend's activation dtype, as bytes. Handed
+  // over only when wants_attention_input(). A probe that returns true has replaced the bytes, and
+  // the layer reads the replacement: `e4kv compare --isolated` measures every layer of an E4M3
+  // run on the FP16 run's inputs, so that no error is carried from one layer to the next.
+  virtual bool wants_attention_input() const { return false; }
+  virtual bool attention_input(int64_t /*layer*/, std::span<std::byte> /*in*/) { return false; }
 };
 
 // One forward: rows of tokens, any mix of prefill chunks and decode rows of several sequences.

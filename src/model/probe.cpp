@@ -12,6 +12,14 @@ void probe_attention_output(Backend& backend, ForwardProbe* probe, int64_t layer
   probe->attention_output(layer, host, q_dim);
 }
 
+void probe_attention_input(Backend& backend, ForwardProbe* probe, int64_t layer, void* in,
+                           size_t bytes) {
+  if (probe == nullptr || !probe->wants_attention_input()) return;
+  std::vector<std::byte> host(bytes);
+  backend.copy_to_host(host.data(), in, bytes);
+  if (probe->attention_input(layer, host)) backend.copy_from_host(in, host.data(), bytes);
+}
+
 void probe_qsa_selection(Backend& backend, ForwardProbe* probe, int64_t layer,
                          const int32_t* tokens, const int32_t* counts, int64_t n_rows,
                          int64_t width) {

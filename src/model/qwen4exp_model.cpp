@@ -352,6 +352,8 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
     E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
     b.profile_mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
+      probe_attention_input(b, batch.probe, int64_t(l), ws.mix.data(),
+                            size_t(n * hidden) * dtype_size(b.act_dtype()));
       E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
                                               *ws.qsa, non_finite,
                                               kv_stats_.sink(int64_t(l), batch.purpose)));

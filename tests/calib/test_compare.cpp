@@ -103,5 +103,41 @@ TEST(CompareMeasures, ReportFilesCarryTheMeasures) {
   }
 }
 
+TEST(CompareMeasures, IsolatedOutputsAreReportedBesideTheWholeRun) {
+  CompareReport report;
+  report.model = "tiny";
+  report.device = "cpu";
+  report.isolated = true;
+  report.reference.name = "fp16";
+  ModeCompare m;
+  m.name = "e4m3";
+  m.scales = "calibrated";
+  // Layer 3: whole run (3, 4) vs ref (3, 5): diff^2 1, ref^2 34; isolated (3, 5) vs (3, 5): 0.
+  // Layer 7: whole run (0, 2) vs (1, 1); isolated (1, 2) vs (1, 1): diff^2 1, ref^2 2.
+  m.add_output(3, true, std::vector<float>{3, 4}, std::vector<float>{3, 5});
+  m.add_isolated_output(3, true, std::vector<float>{3, 5}, std::vector<float>{3, 5});
+  m.add_output(7, true, std::vector<float>{0, 2}, std::vector<float>{1, 1});
+  m.add_isolated_output(7, true, std::vector<float>{1, 2}, std::vector<float>{1, 1});
+  report.modes.push_back(m);
+  const nlohmann::json j = nlohmann::json::parse(compare_json(report));
+  EXPECT_EQ(j["isolated"], true);
+  const nlohmann::json& mode = j["modes"][0];
+  EXPECT_NEAR(mode["layers"][0]["rel_l2"].get<double>(), 1.0 / std::sqrt(34.0), 1e-12);
+  EXPECT_NEAR(mode["layers"][0]["isolated"]["rel_l2"].get<double>(), 0.0, 1e-12);
+  EXPECT_NEAR(mode["layers"][1]["isolated"]["rel_l2"].get<double>(), std::sqrt(0.5), 1e-12);
+  // Pooled over both layers: diff^2 1, ref^2 34 + 2.
+  EXPECT_NEAR(mode["attention_output_isolated"]["rel_l2"].get<double>(), 1.0 / 6.0, 1e-12);
+  const std::string md = compare_markdown(report);
+  EXPECT_NE(md.find("(--isolated)"), std::string::npos) << md;
+  EXPECT_NE(md.find("| e4m3 | 7 | qsa | 0.7071 |"), std::string::npos) << md;
+  // Without an isolated pass the report says nothing of one.
+  report.isolated = false;
+  const nlohmann::json plain = nlohmann::json::parse(compare_json(report));
+  EXPECT_EQ(plain["isolated"], false);
+  EXPECT_FALSE(plain["modes"][0].contains("attention_output_isolated"));
+  EXPECT_FALSE(plain["modes"][0]["layers"][0].contains("isolated"));
+  EXPECT_EQ(compare_markdown(report).find("--isolated"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace e4kv

@@ -95,7 +95,7 @@ void run_workflow(const TempDir& tmp, const std::vector<std::string>& synth_flag
   const fs::path out = tmp.path() / "compare";
   RunResult cmp = run_cli(tmp.path(), {"compare", derived.string(), "--prompts", corpus.string(),
                                        "--max-tokens", "4", "--with-unit-control", "--out",
-                                       out.string(), "--prefill-chunk", "64"});
+                                       out.string(), "--prefill-chunk", "64", "--isolated"});
   expect_ok(cmp, "compare");
   EXPECT_NE(cmp.out.find("| e4m3 | calibrated |"), std::string::npos) << cmp.out;
   const json report = json::parse(read_text(out / "compare.json"));
@@ -112,6 +112,16 @@ void run_workflow(const TempDir& tmp, const std::vector<std::string>& synth_flag
       EXPECT_GT(layer["rel_l2"].get<double>(), 0.0);
       EXPECT_LT(layer["rel_l2"].get<double>(), 0.2);
       EXPECT_GT(layer["cosine"].get<double>(), 0.98);
+      // --isolated: the first KV layer reads the same input in both passes; every later one
+      // reads the FP16 run's input instead of one carrying the earlier layers' E4M3 error.
+      const double isolated = layer["isolated"]["rel_l2"].get<double>();
+      EXPECT_GT(isolated, 0.0);
+      EXPECT_LT(isolated, 0.2);
+      if (i == 0) {
+        EXPECT_DOUBLE_EQ(isolated, layer["rel_l2"].get<double>());
+      } else {
+        EXPECT_NE(isolated, layer["rel_l2"].get<double>()) << "layer " << kv_layers[i];
+      }
     }
     EXPECT_GE(mode["mean_kl"].get<double>(), 0.0);
     EXPECT_EQ(mode["greedy"]["prompts"], 4);

@@ -13,6 +13,7 @@
 //     each --context length), greedy, correct when the continuation holds the key.
 // Prints the Markdown table; --out DIR also writes compare.json, compare.md and compare.svg.
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -23,6 +24,7 @@
 
 #include "calib/compare.h"
 #include "commands.h"
+#include "core/check.h"
 #include "core/file_io.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
@@ -52,11 +54,18 @@ struct CompareArgs {
   std::string contexts = "1k";
   std::string depths = "0,50,100";
   int64_t passkey_trials = 1;
+  bool isolated = false;
 };
 
-// What one forward of the FP16 model showed its probe.
+// What one forward of the FP16 model showed its probe (with capture_inputs, also every attention
+// layer's input).
 class CaptureProbe final : public ForwardProbe {
  public:
+  bool wants_attention_input() const override { return capture_inputs; }
+  bool attention_input(int64_t layer, std::span<std::byte> in) override {
+    inputs[layer].assign(in.begin(), in.end());
+    return false;
+  }
   void attention_output(int64_t layer, std::span<const float> out, int64_t) override {
     outputs[layer].assign(out.begin(), out.end());
   }
@@ -70,6 +79,8 @@ class CaptureProbe final : public ForwardProbe {
   std::map<int64_t, std::vector<float>> outputs;
   std::map<int64_t, std::pair<std::vector<int32_t>, std::vector<int32_t>>> selections;
   int64_t width = 0;
+  bool capture_inputs = false;
+  std::map<int64_t, std::vector<std::byte>> inputs;
 };
 
 // An E4M3 forward's probe: compares what it sees with the FP16 capture of the same rows.
@@ -87,6 +98,32 @@ class CompareProbe final : public ForwardProbe {
     if (it == ref_.selections.end()) return;
     mode_.add_selection(layer, tokens, counts, it->second.first, it->second.second, width);
   }
+
+ private:
+  const CaptureProbe& ref_;
+  ModeCompare& mode_;
+};
+
+// An E4M3 forward of the isolated pass: every attention layer reads the FP16 capture's input for
+// that layer; its output is compared with the capture's.
+class ReplayProbe final : public ForwardProbe {
+ public:
+  ReplayProbe(const CaptureProbe& ref, ModeCompare& mode) : ref_(ref), mode_(mode) {}
+  bool wants_attention_input() const override { return true; }
+  bool attention_input(int64_t layer, std::span<std::byte> in) override {
+    const auto it = ref_.inputs.find(layer);
+    E4KV_ASSERT(it != ref_.inputs.end() && it->second.size() == in.size(),
+                "compare --isolated: the FP16 run has no input of this layer's size");
+    std::copy(it->second.begin(), it->second.end(), in.begin());
+    return true;
+  }
+  void attention_output(int64_t layer, std::span<const float> out, int64_t) override {
+    const auto it = ref_.outputs.find(layer);
+    if (it == ref_.outputs.end()) return;
+    mode_.add_isolated_output(layer, ref_.selections.contains(layer), out, it->second);
+  }
+  void qsa_selection(int64_t, std::span<const int32_t>, std::span<const int32_t>,
+                     int64_t) override {}
 
  private:
   const CaptureProbe& ref_;
@@ -171,6 +208,27 @@ Status teacher_forced(std::span<const int32_t> ids, int64_t chunk, Runner& ref_r
   }
   ref_mode.prompts += 1;
   for (ModeCompare& m : modes) m.prompts += 1;
+  return ok_status();
+}
+
+// The isolated pass of one prompt (compare --isolated): the reference again, chunk by chunk,
+// capturing every attention layer's input, and each mode with those inputs replayed.
+Status isolated_pass(std::span<const int32_t> ids, int64_t chunk, Runner& ref_runner,
+                     std::vector<Runner>& runners, std::vector<ModeCompare>& modes) {
+  E4KV_RETURN_IF_ERROR(ref_runner.begin());
+  for (Runner& r : runners) E4KV_RETURN_IF_ERROR(r.begin());
+  const int64_t n_ids = int64_t(ids.size());
+  for (int64_t begin = 0; begin < n_ids; begin += chunk) {
+    const std::span<const int32_t> rows =
+        ids.subspan(size_t(begin), size_t(std::min(chunk, n_ids - begin)));
+    CaptureProbe capture;
+    capture.capture_inputs = true;
+    E4KV_RETURN_IF_ERROR(ref_runner.forward(rows, begin, &capture).status());
+    for (size_t m = 0; m < runners.size(); ++m) {
+      ReplayProbe probe(capture, modes[m]);
+      E4KV_RETURN_IF_ERROR(runners[m].forward(rows, begin, &probe).status());
+    }
+  }
   return ok_status();
 }
 
@@ -321,6 +379,7 @@ Status run_compare(const CompareArgs& args) {
   report.model = fs::path(args.model.model_dir).lexically_normal().filename().string();
   report.device = backend->name();
   report.max_tokens = args.max_tokens;
+  report.isolated = args.isolated;
   report.reference.name = "fp16";
   report.reference.scales = "-";
   for (const KvScalesMode mode :
@@ -346,6 +405,9 @@ Status run_compare(const CompareArgs& args) {
   for (const std::vector<int32_t>& ids : prompts) {
     E4KV_RETURN_IF_ERROR(teacher_forced(ids, args.prefill_chunk, ref, runners, report.reference,
                                         report.modes, vocab));
+    if (args.isolated) {
+      E4KV_RETURN_IF_ERROR(isolated_pass(ids, args.prefill_chunk, ref, runners, report.modes));
+    }
     report.prompts += 1;
     report.teacher_forced_tokens += int64_t(ids.size());
     if (args.max_tokens == 0) continue;
@@ -412,6 +474,10 @@ void add_compare_command(CLI::App& app, Status& result) {
                   "Teacher-forced rows per forward (each returns every row's logits)")
       ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
+  cmd->add_flag("--isolated", args->isolated,
+                "Also measure every attention layer of the E4M3 runs on the FP16 run's inputs "
+                "(the cache format's own error, none carried between layers; one more "
+                "teacher-forced pass)");
   cmd->add_option("--task", args->task, "passkey: generated retrieval prompts");
   cmd->add_option("--context", args->contexts, "Passkey prompt lengths in tokens (1k = 1024)")
       ->capture_default_str();
