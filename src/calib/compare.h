@@ -96,8 +96,8 @@ struct CompareReport {
   int64_t prompts = 0;
   int64_t teacher_forced_tokens = 0;
   int64_t max_tokens = 0;
-  bool isolated = false;          // the modes hold isolated-pass figures
-  ModeCompare reference;          // "fp16"
+  bool isolated = false;           // the modes hold isolated-pass figures
+  ModeCompare reference;           // "fp16"
   std::vector<ModeCompare> modes;  // "e4m3", then "unit" when asked
 };
 
