@@ -12,6 +12,11 @@ includes). Relative L2 is pooled over all rows of all documents per layer (as `c
 on the attention output before the output gate ("ungated") and after it ("gated": what the engine's
 probe sees, the output o_proj reads).
 
+The "rot" variants store K (and V) multiplied by a fixed orthogonal matrix R = D H / sqrt(d) (H the
+Sylvester Hadamard matrix, D random signs) and multiply the read-back values by R^T, which is what
+an attention that also rotates the query (q R . k R = q . k) computes: the incoherent processing of
+FlashAttention-3's FP8 path, measured here as a candidate, not something e4kv does.
+
 Usage: scripts/hf_kv_rounding_floor.py MODEL_DIR DATA_DIR OUT.json [--device cuda]
        [--calibration-docs N] [--eval-docs N]
 (DATA_DIR holds calibration.jsonl and eval.jsonl, e.g. data/tiny; the first N documents of each,
@@ -37,6 +42,17 @@ def round_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x stored as E4M3 with `scale` (x / scale rounded to nearest even, saturated) and read back."""
     y = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return y.to(torch.float32) * scale
+
+
+def rotation(d: int, device) -> torch.Tensor:
+    """R = D H / sqrt(d): H the Sylvester Hadamard matrix, D fixed random signs; orthogonal."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != d:
+        raise SystemExit(f"head_dim {d} is not a power of two: no Hadamard rotation")
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return (signs[:, None].float() * h / math.sqrt(d)).to(device)
 
 
 def attention(module, q, k, v, mask, scaling):
@@ -68,8 +84,9 @@ def probe_forward(module, query, key, value, attention_mask, scaling=None, dropo
     layer = module.layer_idx
     k16, v16 = key.half().float(), value.half().float()  # what an FP16 cache holds
     ref = attention(module, query, k16, v16, attention_mask, scaling)
+    R = rotation(key.shape[-1], key.device)
     if Probe.mode == "absmax":
-        for name, x in (("K", k16), ("V", v16)):
+        for name, x in (("K", k16), ("V", v16), ("Krot", k16 @ R), ("Vrot", v16 @ R)):
             Probe.absmax[(layer, name)] = max(Probe.absmax.get((layer, name), 0.0),
                                               float(x.abs().max()))
     else:
@@ -82,7 +99,16 @@ def probe_forward(module, query, key, value, attention_mask, scaling=None, dropo
                 e[0] += float((xq - x).double().pow(2).sum())
                 e[1] += float(x.double().pow(2).sum())
             gate = output_gate(module, Probe.hidden[layer]).double()
-            for variant, (kk, vv) in (("K", (kq, v16)), ("V", (k16, vq)), ("KV", (kq, vq))):
+            variants = [("K", (kq, v16)), ("V", (k16, vq)), ("KV", (kq, vq))]
+            if scale_name == "absmax":
+                kr = round_e4m3(k16 @ R, Probe.scales[(layer, "Krot")]) @ R.T
+                vr = round_e4m3(v16 @ R, Probe.scales[(layer, "Vrot")]) @ R.T
+                for name, x, xq in (("Krot", k16, kr), ("Vrot", v16, vr)):
+                    e = Probe.element.setdefault((layer, name, scale_name), [0.0, 0.0])
+                    e[0] += float((xq - x).double().pow(2).sum())
+                    e[1] += float(x.double().pow(2).sum())
+                variants += [("Krot", (kr, v16)), ("Krot_V", (kr, vq)), ("KVrot", (kr, vr))]
+            for variant, (kk, vv) in variants:
                 out = attention(module, query, kk, vv, attention_mask, scaling)
                 a, b = out.double(), ref.double()
                 for form, g in (("ungated", 1.0), ("gated", gate)):
@@ -164,7 +190,8 @@ def main() -> int:
               "torch": torch.__version__, "device": str(device),
               "calibration_tokens": calib_tokens, "eval_tokens": eval_tokens, "layers": {}}
     for layer in layers:
-        entry = {"scale_k": Probe.scales[(layer, "K")], "scale_v": Probe.scales[(layer, "V")]}
+        entry = {f"scale_{name.lower()}": Probe.scales[(layer, name)]
+                 for name in ("K", "V", "Krot", "Vrot")}
         for (lyr, name, scale_name), (err, ref) in Probe.element.items():
             if lyr == layer:
                 entry[f"{name}_element_rel_l2@{scale_name}"] = math.sqrt(err / ref)
