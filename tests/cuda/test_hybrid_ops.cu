@@ -300,7 +300,9 @@ TEST(HybridOpsCuda, SigmoidGatedAddMatchesCpuReference) {
 TEST(HybridOpsCuda, GatedDeltaGatesMatchCpuReference) {
   E4KV_REQUIRE_GPU();
   std::mt19937 rng(19);
-  for (const auto& [n_rows, n_heads] : {std::pair<int64_t, int64_t>{1, 32}, {33, 32}, {5, 7}}) {
+  // An explicit array: CUDA 12.4's front end cannot deduce a braced list of pairs here.
+  constexpr std::pair<int64_t, int64_t> kShapes[] = {{1, 32}, {33, 32}, {5, 7}};
+  for (const auto& [n_rows, n_heads] : kShapes) {
     SCOPED_TRACE(cat("rows ", n_rows, " heads ", n_heads));
     const size_t n = size_t(n_rows * n_heads);
     std::vector<uint16_t> a = random_f16(rng, n, 0.0f, 4.0f);
