@@ -24,6 +24,7 @@ all by default. `e4kv compare --isolated` measures the same thing in the engine:
 compares the two on its subset.)
 """
 import argparse
+import functools
 import json
 import math
 import sys
@@ -44,6 +45,7 @@ def round_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     return y.to(torch.float32) * scale
 
 
+@functools.lru_cache(maxsize=None)
 def rotation(d: int, device) -> torch.Tensor:
     """R = D H / sqrt(d): H the Sylvester Hadamard matrix, D fixed random signs; orthogonal."""
     h = torch.ones(1, 1)
@@ -84,7 +86,7 @@ def probe_forward(module, query, key, value, attention_mask, scaling=None, dropo
     layer = module.layer_idx
     k16, v16 = key.half().float(), value.half().float()  # what an FP16 cache holds
     ref = attention(module, query, k16, v16, attention_mask, scaling)
-    R = rotation(key.shape[-1], key.device)
+    R = rotation(key.shape[-1], key.device)  # built once per head_dim and device
     if Probe.mode == "absmax":
         for name, x in (("K", k16), ("V", v16), ("Krot", k16 @ R), ("Vrot", v16 @ R)):
             Probe.absmax[(layer, name)] = max(Probe.absmax.get((layer, name), 0.0),

@@ -45,11 +45,8 @@ json mode_json(const ModeCompare& m, bool reference, bool isolated) {
     json layers = json::array();
     for (const LayerCompare& l : m.layers) {
       const OutputError e = l.output.result();
-      json row = {{"layer", l.layer},
-                  {"kind", l.qsa ? "qsa" : "attention"},
-                  {"rel_l2", number(e.rel_l2)},
-                  {"cosine", number(e.cosine)},
-                  {"rmse", number(e.rmse)}};
+      json row = {{"layer", l.layer}, {"kind", l.qsa ? "qsa" : "attention"}};
+      row.update(error_json(e));
       if (isolated) row["isolated"] = error_json(l.isolated.result());
       if (l.qsa && l.rows > 0) {
         row["selection"] = {
