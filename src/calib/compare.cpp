@@ -16,6 +16,7 @@ namespace {
 using json = nlohmann::ordered_json;
 
 std::string fmt(const char* format, double value) {
+  if (!std::isfinite(value)) return "-";  // a measure over nothing, or an infinite error
   char buf[64];
   std::snprintf(buf, sizeof(buf), format, value);
   return buf;
@@ -160,7 +161,8 @@ OutputError ModeCompare::aggregate_isolated() const {
 }
 
 double ModeCompare::perplexity() const {
-  return nll_tokens > 0 ? std::exp(sum_nll / double(nll_tokens)) : 0.0;
+  return nll_tokens > 0 ? std::exp(sum_nll / double(nll_tokens))
+                        : std::numeric_limits<double>::quiet_NaN();
 }
 
 std::string compare_json(const CompareReport& report) {

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -86,8 +87,12 @@ struct ModeCompare {
   LayerCompare& layer_entry(int64_t layer, bool qsa);
   OutputError aggregate_output() const;
   OutputError aggregate_isolated() const;  // n == 0 without an isolated pass
-  double mean_kl() const { return kl_positions > 0 ? sum_kl / double(kl_positions) : 0.0; }
-  double perplexity() const;  // exp(mean NLL); 0 without tokens
+  // NaN without positions (a measure over nothing is not a number; reports print "-" / null).
+  double mean_kl() const {
+    return kl_positions > 0 ? sum_kl / double(kl_positions)
+                            : std::numeric_limits<double>::quiet_NaN();
+  }
+  double perplexity() const;  // exp(mean NLL); NaN without tokens
 };
 
 struct CompareReport {

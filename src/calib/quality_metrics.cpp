@@ -17,6 +17,11 @@ OutputError finish(double diff_sq, double test_sq, double ref_sq, double dot, do
   OutputError e;
   e.n = n;
   e.max_abs = max_abs;
+  if (n == 0) {
+    // A measure over nothing is not a number: no row was compared.
+    e.rmse = e.rel_l2 = e.cosine = std::numeric_limits<double>::quiet_NaN();
+    return e;
+  }
   e.rmse = n > 0 ? std::sqrt(diff_sq / double(n)) : 0.0;
   if (ref_sq > 0.0) {
     e.rel_l2 = std::sqrt(diff_sq) / std::sqrt(ref_sq);

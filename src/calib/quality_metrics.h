@@ -11,6 +11,7 @@ namespace e4kv {
 //   rel_l2 = ||test - ref|| / ||ref||     (0 when both are zero, +inf when only ref is zero)
 //   cosine = test . ref / (||test|| ||ref||)   (1 when both are zero, 0 when only one is)
 //   rmse   = sqrt(sum (test - ref)^2 / n)       (0 for n = 0)
+// Over no elements (n == 0) every measure is NaN: there is nothing to report.
 struct OutputError {
   double rel_l2 = 0.0;
   double cosine = 1.0;

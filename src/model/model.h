@@ -49,7 +49,11 @@ struct ModelLimits {
   int64_t max_batch_tokens = 0;
   int64_t max_seqs = 0;
   int64_t max_logit_rows = 0;
-  int64_t max_blocks_per_seq = 0;  // ceil(max_model_len / block_size)
+  // The longest sequence the cache can hold: min(max_model_len, n_blocks * block_size). Every
+  // per-sequence and per-position table (block-table stride, RoPE rows, QSA groups) is sized by
+  // this, not by max_model_len, so a large --max-model-len costs nothing until the pool holds it.
+  int64_t max_seq_tokens = 0;
+  int64_t max_blocks_per_seq = 0;  // ceil(max_seq_tokens / block_size), at most n_blocks
 };
 
 // Fills the defaults of `options` for a model whose config allows `max_position_embeddings`

@@ -242,7 +242,7 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     needs.qsa_max_groups = limits.max_blocks_per_seq * (options.block_size / m.qsa_shape_.ratio);
     needs.rope_inv_freq = m.rope_.inv_freq.data();
     needs.rotary_dim = m.rope_.rotary_dim;
-    needs.max_positions = limits.max_model_len;
+    needs.max_positions = limits.max_seq_tokens;
   }
   needs.moe_experts = moe.n_experts;
   needs.moe_top_k = moe.top_k;

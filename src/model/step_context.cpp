@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 
 #include "core/checked.h"
 
@@ -48,7 +49,12 @@ Result<ModelLimits> model_limits(const ModelOptions& options, int64_t max_positi
                                 cat(limits.max_logit_rows, " exceeds the ",
                                     limits.max_batch_tokens, " rows of max_batch_tokens"));
   }
-  limits.max_blocks_per_seq = blocks_for_tokens(limits.max_model_len, options.block_size);
+  // A sequence never holds more blocks than the pool has: the block-table stride and every
+  // per-position table follow the pool, not the (possibly huge) max_model_len.
+  const std::optional<int64_t> pool_tokens = checked_mul(options.n_blocks, options.block_size);
+  limits.max_seq_tokens =
+      pool_tokens ? std::min(limits.max_model_len, *pool_tokens) : limits.max_model_len;
+  limits.max_blocks_per_seq = blocks_for_tokens(limits.max_seq_tokens, options.block_size);
   return limits;
 }
 
@@ -123,7 +129,7 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
     if (int64_t(table->blocks.size()) > limits_.max_blocks_per_seq) {
       return Status::error(cat("forward: sequence ", s, " has ", table->blocks.size(),
                                " blocks, more than the ", limits_.max_blocks_per_seq,
-                               " its max model length needs"));
+                               " a sequence may hold"));
     }
     for (int32_t block : table->blocks) {
       if (block < 0 || block >= n_blocks) {

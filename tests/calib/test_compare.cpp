@@ -103,6 +103,32 @@ TEST(CompareMeasures, ReportFilesCarryTheMeasures) {
   }
 }
 
+// A report over no prompts (a passkey-only run) has no perplexity, KL or attention error: the
+// JSON says null and the table "-", never 0 or 1 as if something had been measured.
+TEST(CompareMeasures, MeasuresOverNothingAreNotNumbers) {
+  CompareReport report;
+  report.model = "tiny";
+  report.device = "cpu";
+  report.reference.name = "fp16";
+  ModeCompare m;
+  m.name = "e4m3";
+  m.scales = "calibrated";
+  m.add_passkey(1024, 50, true);
+  report.modes.push_back(m);
+  EXPECT_TRUE(std::isnan(m.perplexity()));
+  EXPECT_TRUE(std::isnan(m.mean_kl()));
+  const nlohmann::json j = nlohmann::json::parse(compare_json(report));
+  EXPECT_TRUE(j["reference"]["perplexity"].is_null()) << j.dump();
+  EXPECT_TRUE(j["modes"][0]["perplexity"].is_null());
+  EXPECT_TRUE(j["modes"][0]["mean_kl"].is_null());
+  EXPECT_TRUE(j["modes"][0]["attention_output"]["rel_l2"].is_null());
+  EXPECT_TRUE(j["modes"][0]["attention_output"]["cosine"].is_null());
+  const std::string md = compare_markdown(report);
+  EXPECT_NE(md.find("| fp16 | - | - | - | - | - | - | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| e4m3 | calibrated | - | - | 0/0 | 0/0 | - | - |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("nan"), std::string::npos) << md;
+}
+
 TEST(CompareMeasures, IsolatedOutputsAreReportedBesideTheWholeRun) {
   CompareReport report;
   report.model = "tiny";

@@ -42,9 +42,13 @@ TEST(QualityMetrics, OutputErrorWithZeroVectors) {
   EXPECT_EQ(output_error(one, zero).cosine, 0.0);
   EXPECT_EQ(output_error(zero, one).rel_l2, 1.0);
   EXPECT_EQ(output_error(zero, one).cosine, 0.0);
+  // Over no elements there is no measure: NaN, never a perfect 0 or 1.
   const OutputError empty = output_error({}, {});
   EXPECT_EQ(empty.n, 0);
-  EXPECT_EQ(empty.rmse, 0.0);
+  EXPECT_TRUE(std::isnan(empty.rmse));
+  EXPECT_TRUE(std::isnan(empty.rel_l2));
+  EXPECT_TRUE(std::isnan(empty.cosine));
+  EXPECT_TRUE(std::isnan(OutputErrorAccumulator().result().cosine));
 }
 
 TEST(QualityMetrics, AccumulatorPoolsElements) {

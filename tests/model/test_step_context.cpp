@@ -15,14 +15,31 @@ namespace {
 
 TEST(ModelLimits, DefaultsAndRefusals) {
   ModelOptions options;
-  options.n_blocks = 8;
+  options.n_blocks = 1024;  // 65536 tokens of 64: the model length, not the pool, limits a sequence
   Result<ModelLimits> limits = model_limits(options, 32768, "config.json");
   ASSERT_TRUE(limits.ok()) << limits.message();
   EXPECT_EQ(limits->max_model_len, 32768);
   EXPECT_EQ(limits->max_batch_tokens, 8192);
   EXPECT_EQ(limits->max_seqs, 64);
   EXPECT_EQ(limits->max_logit_rows, 64);
+  EXPECT_EQ(limits->max_seq_tokens, 32768);
   EXPECT_EQ(limits->max_blocks_per_seq, 32768 / 64);
+  // A pool smaller than the model length: no sequence holds more than the pool's 8 blocks, so the
+  // block-table stride and the per-position tables follow the pool.
+  options.n_blocks = 8;
+  limits = model_limits(options, 32768, "config.json");
+  ASSERT_TRUE(limits.ok());
+  EXPECT_EQ(limits->max_model_len, 32768);
+  EXPECT_EQ(limits->max_seq_tokens, 8 * 64);
+  EXPECT_EQ(limits->max_blocks_per_seq, 8);
+  // The largest int32 model length costs what the pool holds, not 2^31 positions.
+  options.max_model_len = 2147483647;
+  limits = model_limits(options, 32768, "config.json");
+  ASSERT_TRUE(limits.ok());
+  EXPECT_EQ(limits->max_model_len, 2147483647);
+  EXPECT_EQ(limits->max_seq_tokens, 8 * 64);
+  EXPECT_EQ(limits->max_blocks_per_seq, 8);
+  options.max_model_len = 0;
   // A short model: every limit within its length.
   limits = model_limits(options, 40, "config.json");
   ASSERT_TRUE(limits.ok());

@@ -132,13 +132,26 @@ Status run_calibrate(const CalibrateArgs& args) {
     if (!ids.ok()) return Status::error(cat(args.corpus, ":", doc.line, ": ", ids.message()));
     prompts.push_back(std::move(ids).value());
   }
-  const int64_t max_len = args.model.max_model_len > 0 ? args.model.max_model_len
-                                                        : config.max_position_embeddings;
+  const bool len_from_flag = args.model.max_model_len > 0;
+  const int64_t max_len = len_from_flag ? args.model.max_model_len : config.max_position_embeddings;
   // Room for the generated tokens (N pass through the cache, the N+1-th is only sampled).
   const int64_t keep = max_len - 1 - args.generate_tokens;
   if (keep < 1) {
+    // A prompt of one token and G generated tokens need G + 2 positions; say which limit is short.
+    const std::string limit = len_from_flag
+                                  ? cat("--max-model-len ", max_len)
+                                  : cat("max_position_embeddings ", max_len, " (config.json)");
+    if (args.generate_tokens == 0 || max_len < 2) {
+      return Status::error(cat(limit, " leaves no room for a prompt: calibrate needs at least ",
+                               args.generate_tokens + 2, " positions (a prompt token, ",
+                               args.generate_tokens, " generated tokens and the last sampled "
+                               "one); raise --max-model-len"));
+    }
     return Status::error(cat("--generate-tokens ", args.generate_tokens,
-                             " leaves no room for a prompt within the max model length ", max_len));
+                             " leaves no room for a prompt within ", limit,
+                             " (a prompt needs 1 position, the generated tokens ",
+                             args.generate_tokens + 1, "); lower --generate-tokens or raise "
+                             "--max-model-len"));
   }
   int64_t truncated = 0, longest = 0;
   for (std::vector<int32_t>& p : prompts) {
@@ -255,14 +268,14 @@ void add_calibrate_command(CLI::App& app, Status& result) {
       ->capture_default_str();
   cmd->add_option("--generate-tokens", args->generate_tokens,
                   "Greedy tokens after each prompt, so decode-time K/V are observed too")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, kMaxTokenCount))
       ->capture_default_str();
   cmd->add_option("--prefill-chunk", args->prefill_chunk, "Prompt tokens per prefill forward")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(1, kMaxTokenCount))
       ->capture_default_str();
   cmd->add_option("--max-documents", args->max_documents,
                   "Stop after this many documents of the shard (0: all)")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
   cmd->add_flag("--force", args->force, "Replace existing statistics files of this shard");
   cmd->add_flag("!--no-progress", args->progress, "No progress line on a terminal");

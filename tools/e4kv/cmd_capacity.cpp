@@ -185,14 +185,14 @@ void add_capacity_command(CLI::App& app, Status& result) {
          "--request-tokens", [args](const int64_t& n) { args->request_tokens = n; },
          "Tokens per request (prompt + output) for the concurrency figure (default: "
          "max_position_embeddings)")
-      ->transform(decimal_integer<int64_t>());
+      ->transform(decimal_integer<int64_t>(1, kMaxTokenCount));
   cmd->add_option("--block-size", args->block_size, "Tokens per block (a multiple of 16)")
       ->transform(decimal_integer<int64_t>())
       ->capture_default_str();
   cmd->add_option(
          "--max-seqs", args->reserved_seqs,
          "Sequences whose QSA raw rings and recurrent states are reserved before counting blocks")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, kMaxSequences))
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &result] { result = run_capacity(*args); });

@@ -13,6 +13,7 @@
 //     each --context length), greedy, correct when the continuation holds the key.
 // Prints the Markdown table; --out DIR also writes compare.json, compare.md and compare.svg.
 #include <algorithm>
+#include <charconv>
 #include <cstddef>
 #include <cstdio>
 #include <filesystem>
@@ -232,23 +233,38 @@ Status isolated_pass(std::span<const int32_t> ids, int64_t chunk, Runner& ref_ru
   return ok_status();
 }
 
-Result<std::vector<int64_t>> parse_sizes(const std::string& flag, const std::string& text,
-                                         bool allow_k) {
+// A comma-separated list of whole numbers in [lo, hi] ("1k" = 1024 where allow_k); errors name the
+// flag, the item and the range.
+Result<std::vector<int64_t>> parse_list(const std::string& flag, const std::string& text,
+                                        bool allow_k, int64_t lo, int64_t hi,
+                                        const std::string& what) {
   std::vector<int64_t> out;
   size_t begin = 0;
   while (begin <= text.size()) {
     const size_t end = std::min(text.find(',', begin), text.size());
     std::string item = text.substr(begin, end - begin);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    const std::string shown = flag_text_for_message(item);
     int64_t scale = 1;
     if (allow_k && !item.empty() && (item.back() == 'k' || item.back() == 'K')) {
       scale = 1024;
       item.pop_back();
     }
-    char* stop = nullptr;
-    const long long v = std::strtoll(item.c_str(), &stop, 10);
-    if (item.empty() || *stop != '\0' || v < 0 || v > (int64_t(1) << 31) / scale) {
-      return Status::error(cat(flag, " ", text, ": expected a comma-separated list of ",
-                               allow_k ? "token counts (1024 or 1k)" : "integers"));
+    const bool negative = !item.empty() && item[0] == '-';
+    const bool digits = item.size() > (negative ? 1u : 0u) &&
+                        item.find_first_not_of("0123456789", negative ? 1 : 0) == std::string::npos;
+    if (!digits) {
+      return Status::error(cat(flag, ": \"", shown, "\" is not ", what,
+                               "; expected a comma-separated list of whole numbers from ", lo, " to ",
+                               hi, allow_k ? " (1k = 1024)" : ""));
+    }
+    int64_t v = 0;
+    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    const bool in_range = ec == std::errc() && ptr == item.data() + item.size() &&
+                          v >= lo / scale && v <= hi / scale;
+    if (!in_range || v * scale < lo) {
+      return Status::error(cat(flag, ": ", shown, " is outside ", lo, " to ", hi, " (", what, ")"));
     }
     out.push_back(v * scale);
     begin = end + 1;
@@ -342,25 +358,53 @@ Status run_compare(const CompareArgs& args) {
       prompts.push_back(std::move(ids).value());
     }
   }
+  // The passkey prompts, made before anything loads so that their lengths count below.
   std::vector<int64_t> contexts, depths;
+  struct PasskeyCase {
+    int64_t context, depth;
+    PasskeyPrompt prompt;
+  };
+  std::vector<PasskeyCase> passkeys;
+  constexpr int64_t kPasskeyTokens = 8;
   if (!args.task.empty()) {
-    E4KV_ASSIGN_OR_RETURN(contexts, parse_sizes("--context", args.contexts, true));
-    E4KV_ASSIGN_OR_RETURN(depths, parse_sizes("--depths", args.depths, false));
-    for (int64_t d : depths) {
-      if (d > 100) return Status::error(cat("--depths: ", d, " is not a percentage (0 to 100)"));
+    E4KV_ASSIGN_OR_RETURN(contexts, parse_list("--context", args.contexts, true, 1,
+                                               kMaxTokenCount, "a prompt length in tokens"));
+    E4KV_ASSIGN_OR_RETURN(depths, parse_list("--depths", args.depths, false, 0, 100,
+                                             "a depth in percent of the prompt"));
+    E4KV_ASSIGN_OR_RETURN(const Tokenizer* tok, source.tokenizer());
+    for (int64_t context : contexts) {
+      for (int64_t depth : depths) {
+        for (int64_t trial = 0; trial < args.passkey_trials; ++trial) {
+          PasskeyPrompt p = passkey_prompt(*tok, context, depth, trial);
+          // The question, the key's sentence and the instructions are never cut: a shorter
+          // context would be reported under a length it does not have.
+          if (int64_t(p.ids.size()) > context) {
+            return Status::error(cat("--context ", context, ": a passkey prompt's fixed text alone "
+                                     "takes ", p.ids.size(), " tokens; give --context ",
+                                     p.ids.size(), " or more"));
+          }
+          passkeys.push_back({context, depth, std::move(p)});
+        }
+      }
     }
   }
-  constexpr int64_t kPasskeyTokens = 8;
-  int64_t longest = 1;
-  for (const auto& p : prompts) longest = std::max<int64_t>(longest, int64_t(p.size()));
-  for (int64_t c : contexts) longest = std::max(longest, c + 64);
-  const int64_t need = longest + std::max(args.max_tokens, kPasskeyTokens) + 1;
-  const int64_t max_len = args.model.max_model_len > 0 ? args.model.max_model_len
-                                                        : ckpt.config().max_position_embeddings;
+  // Positions each run needs: a teacher-forced prompt its own length; a greedy continuation of T
+  // tokens after a prompt of P tokens P + T (the last token is sampled, never fed).
+  int64_t need = 1;
+  for (const auto& p : prompts) {
+    need = std::max<int64_t>(need, int64_t(p.size()) + args.max_tokens);
+  }
+  for (const PasskeyCase& c : passkeys) {
+    need = std::max<int64_t>(need, int64_t(c.prompt.ids.size()) + kPasskeyTokens);
+  }
+  const bool from_flag = args.model.max_model_len > 0;
+  const int64_t max_len =
+      from_flag ? args.model.max_model_len : ckpt.config().max_position_embeddings;
   if (need > max_len) {
-    return Status::error(cat("the longest prompt plus its continuation needs ", need,
-                             " positions; the max model length is ", max_len,
-                             " (shorten the prompts or --context, or raise --max-model-len)"));
+    return Status::error(cat(
+        "the longest prompt plus its continuation needs ", need, " positions; the max model "
+        "length is ", max_len, from_flag ? " (--max-model-len)" : " (max_position_embeddings)",
+        "; shorten the prompts, lower --max-tokens or --context, or raise --max-model-len"));
   }
 
   E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
@@ -422,25 +466,20 @@ Status run_compare(const CompareArgs& args) {
   ref.sequence.reset();
   for (Runner& r : runners) r.sequence.reset();
 
-  if (!args.task.empty()) {
+  if (!passkeys.empty()) {
     E4KV_ASSIGN_OR_RETURN(const Tokenizer* tok, source.tokenizer());
     GenerateOptions answer = greedy;
     answer.max_tokens = kPasskeyTokens;
-    for (int64_t context : contexts) {
-      for (int64_t depth : depths) {
-        for (int64_t trial = 0; trial < args.passkey_trials; ++trial) {
-          const PasskeyPrompt p = passkey_prompt(*tok, context, depth, trial);
-          auto correct = [&](Model& model) -> Result<bool> {
-            E4KV_ASSIGN_OR_RETURN(const GenerateResult out, generate(model, p.ids, answer));
-            return tok->decode(out.output_ids, true).find(p.key) != std::string::npos;
-          };
-          E4KV_ASSIGN_OR_RETURN(const bool ok, correct(*ref.model));
-          report.reference.add_passkey(context, depth, ok);
-          for (size_t m = 0; m < runners.size(); ++m) {
-            E4KV_ASSIGN_OR_RETURN(const bool hit, correct(*runners[m].model));
-            report.modes[m].add_passkey(context, depth, hit);
-          }
-        }
+    for (const PasskeyCase& c : passkeys) {
+      auto correct = [&](Model& model) -> Result<bool> {
+        E4KV_ASSIGN_OR_RETURN(const GenerateResult out, generate(model, c.prompt.ids, answer));
+        return tok->decode(out.output_ids, true).find(c.prompt.key) != std::string::npos;
+      };
+      E4KV_ASSIGN_OR_RETURN(const bool ok, correct(*ref.model));
+      report.reference.add_passkey(c.context, c.depth, ok);
+      for (size_t m = 0; m < runners.size(); ++m) {
+        E4KV_ASSIGN_OR_RETURN(const bool hit, correct(*runners[m].model));
+        report.modes[m].add_passkey(c.context, c.depth, hit);
       }
     }
   }
@@ -464,7 +503,7 @@ void add_compare_command(CLI::App& app, Status& result) {
   cmd->add_option("--prompts", args->prompts,
                   "JSON lines: {\"text\": ...}, {\"token_ids\": [...]} or {\"messages\": [...]}");
   cmd->add_option("--max-tokens", args->max_tokens, "Greedy tokens per prompt (0: none)")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, kMaxTokenCount))
       ->capture_default_str();
   cmd->add_flag("--with-unit-control", args->unit_control,
                 "Also run unit-scale E4M3 (the negative control)");
@@ -472,7 +511,7 @@ void add_compare_command(CLI::App& app, Status& result) {
   cmd->add_flag("--force", args->force, "Replace existing compare files in --out");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Teacher-forced rows per forward (each returns every row's logits)")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(1, 65536))
       ->capture_default_str();
   cmd->add_flag("--isolated", args->isolated,
                 "Also measure every attention layer of the E4M3 runs on the FP16 run's inputs "
@@ -484,7 +523,7 @@ void add_compare_command(CLI::App& app, Status& result) {
   cmd->add_option("--depths", args->depths, "Passkey positions, percent of the prompt")
       ->capture_default_str();
   cmd->add_option("--passkey-trials", args->passkey_trials, "Prompts per (context, depth)")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(1, 1000))
       ->capture_default_str();
   cmd->callback([args, &result] { result = run_compare(*args); });
 }

@@ -149,7 +149,7 @@ void add_generate_command(CLI::App& app, Status& result) {
       "--prompt-ids", [args](const std::string& text) { args->prompt_ids = text; },
       "Prompt token ids, comma-separated (1,2,3)");
   cmd->add_option("--max-tokens", args->max_tokens, "Most tokens to generate")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, kMaxTokenCount))
       ->capture_default_str();
   cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
       ->transform(finite_number())
@@ -171,7 +171,7 @@ void add_generate_command(CLI::App& app, Status& result) {
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at end-of-sequence tokens");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Prompt tokens per prefill forward; 0 = the whole prompt at once")
-      ->transform(decimal_integer<int64_t>())
+      ->transform(decimal_integer<int64_t>(0, kMaxTokenCount))
       ->capture_default_str();
   cmd->add_flag("--json", args->json,
                 "Print {\"output_ids\", \"text\", \"finish_reason\", \"prompt_ids\"} at the end "

@@ -30,9 +30,9 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
       ->capture_default_str();
   cmd->add_option("--max-model-len", flags.max_model_len,
                   "Longest sequence (prompt + output); default: max_position_embeddings")
-      ->transform(decimal_integer<int64_t>());
+      ->transform(decimal_integer<int64_t>(0, kMaxTokenCount));
   cmd->add_option("--threads", flags.threads, "CPU threads (0: all)")
-      ->transform(decimal_integer<int>())
+      ->transform(decimal_integer<int>(0, int(kMaxThreads)))
       ->capture_default_str();
 }
 

@@ -44,12 +44,16 @@ inline std::string flag_text_for_message(const std::string& text) {
   return out;
 }
 
-// For an integer flag of type T: ->transform(decimal_integer<T>()).
+// For an integer flag of type T: ->transform(decimal_integer<T>()), or with the flag's range,
+// ->transform(decimal_integer<T>(lo, hi)). A value outside [lo, hi] and one beyond T get the same
+// message ("expected LO to HI, got TEXT"), so "99999999999999999999" is not told T's range while
+// "5000000000" is told the flag's.
 template <typename T>
-CLI::Validator decimal_integer() {
+CLI::Validator decimal_integer(T lo = std::numeric_limits<T>::min(),
+                               T hi = std::numeric_limits<T>::max()) {
   static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [lo, hi](std::string& text) -> std::string {
         T value{};
         const char* begin = text.data();
         const char* end = begin + text.size();
@@ -62,9 +66,8 @@ CLI::Validator decimal_integer() {
                      "decimal integer, got \"", flag_text_for_message(text), "\"");
         }
         const auto [ptr, ec] = std::from_chars(begin, end, value, 10);
-        if (ec != std::errc() || ptr != end) {
-          return cat("expected an integer from ", std::numeric_limits<T>::min(), " to ",
-                     std::numeric_limits<T>::max(), ", got ", flag_text_for_message(text));
+        if (ec != std::errc() || ptr != end || value < lo || value > hi) {
+          return cat("expected ", lo, " to ", hi, ", got ", flag_text_for_message(text));
         }
         text = std::to_string(value);
         return std::string();
