@@ -15,6 +15,7 @@
 
 #include "core/file_io.h"
 #include "core/json_error.h"
+#include "kv/scale_gate.h"
 #include "kv/scale_keys.h"
 
 namespace e4kv {
@@ -53,14 +54,12 @@ bool scale_key_less(const std::string& a, const std::string& b) {
          std::make_tuple(kb->prefix, kb->layer, kb->tensor == KvTensor::kV, b);
 }
 
+// The gate's rule (kv_scale_value_problem), so a scales file that reads or writes cleanly also
+// passes the start-up gate.
 Status check_scale_value(const std::string& source, const std::string& key, float value) {
-  if (!std::isfinite(value)) {
-    return Status::error(cat(source, ": scale \"", key, "\" is not finite (", value,
-                             "); every scale must be a finite fp32 > 0"));
-  }
-  if (!(value > 0.0f)) {
+  if (std::optional<std::string> problem = kv_scale_value_problem(value)) {
     return Status::error(
-        cat(source, ": scale \"", key, "\" = ", value, " is not > 0; every scale must be > 0"));
+        cat(source, ": scale \"", key, "\" = ", format_scale_value(value), " is ", *problem));
   }
   return ok_status();
 }

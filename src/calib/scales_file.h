@@ -26,7 +26,8 @@ struct ScalesFile {
 };
 
 // Parses scales.json text; errors name `source` and the offending key or field (wrong format
-// string, non-object "scales", non-number or non-finite or non-positive values, unknown scale key
+// string, non-object "scales", non-number values or values the start-up gate refuses
+// (kv_scale_value_problem: not finite, not > 0, or outside the usable range), unknown scale key
 // spellings).
 Result<ScalesFile> parse_scales_file(std::string_view json_text, const std::string& source);
 Result<ScalesFile> read_scales_file(const std::filesystem::path& path);

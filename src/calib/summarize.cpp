@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "e4kv/e4m3.h"
+#include "kv/scale_gate.h"
 
 namespace e4kv {
 namespace {
@@ -294,7 +295,18 @@ Result<Summary> summarize(std::vector<SummaryInput> inputs, const SummarizeOptio
           cat(t.key, ": the ", scale_policy_name(options.policy), " value is 0 (more than 1/",
               tail_denominator(options.policy), " of the values are zero); use the absmax policy"));
     }
-    t.scale_from_stats = min_scale_for(t.policy_value);
+    // The gate refuses a scale at which every nonzero FP16 value saturates (kv_scale_limits);
+    // min_scale_for gives one only for a policy value of 2^-24 (or less, which no FP16 value is).
+    // The smallest scale the gate accepts is larger, so it still keeps fl(p / s) <= 448.
+    t.scale_from_stats = std::max(min_scale_for(t.policy_value),
+                                  std::nextafter(kv_scale_limits().largest_saturating,
+                                                 std::numeric_limits<float>::infinity()));
+    if (std::optional<std::string> problem = kv_scale_value_problem(t.scale_from_stats)) {
+      return Status::error(cat(t.key, ": the ", scale_policy_name(options.policy), " value ",
+                               format_scale_value(t.policy_value), " gives the scale ",
+                               format_scale_value(t.scale_from_stats), ", which is ", *problem,
+                               " (the statistics do not describe FP16 values)"));
+    }
     t.scale = t.scale_from_stats;
     if (options.envelope) {
       t.envelope_scale = options.envelope->scales.at(t.key);

@@ -12,7 +12,8 @@
 //   bounds the true k-th smallest |x| from above and lies within one bin of it.
 // - Scale for a value p > 0: the smallest fp32 s with fl(p / s) <= 448 (IEEE fp32 division, as the
 //   cache write divides). Policy absmax: p = absmax, so no observed value saturates. Percentile
-//   policies: p = the percentile above.
+//   policies: p = the percentile above. Never below the smallest scale the start-up gate accepts
+//   (kv_scale_limits: a smaller one stores every nonzero FP16 value as +-448).
 // - Envelope (--envelope OLD): scale = max(new, old) per key; OLD must hold exactly the same keys.
 //   The report's figures are then computed at the final scale.
 // - Saturation at scale s: values with fl(|x| / s) > 448, counted per bin when the bin's largest
@@ -86,7 +87,7 @@ struct TensorSummary {
   float p99_9 = 0.0f;
   float p99_99 = 0.0f;
   float policy_value = 0.0f;      // the value the policy scales to 448
-  float scale_from_stats = 0.0f;  // min_scale_for(policy_value)
+  float scale_from_stats = 0.0f;  // min_scale_for(policy_value), at least the smallest valid scale
   std::optional<float> envelope_scale;
   float scale = 0.0f;  // the final scale: max(scale_from_stats, envelope_scale)
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <set>
@@ -49,7 +50,14 @@ struct Provenance {
   bool negative_control = false;
   std::vector<RecordedFile> files;
   std::vector<RewrittenShard> rewritten;
+  std::string policy;
+  // "scales": every key model-kvscales.safetensors holds, with its value read back as fp32.
+  std::map<std::string, float> scales;
   std::optional<std::string> scales_shard_sha256;
+  std::optional<uint64_t> scales_shard_bytes;
+  // "scales_file": the scales.json the overlay was made from (null for the negative control).
+  std::optional<std::string> scales_file_path;
+  std::optional<std::string> scales_file_sha256;
 };
 
 bool is_plain_file_name(std::string_view name) {
@@ -125,6 +133,28 @@ Result<Provenance> read_provenance(const fs::path& path) {
   if (root.contains("negative_control") && root["negative_control"].is_boolean()) {
     provenance.negative_control = root["negative_control"].get<bool>();
   }
+  if (root.contains("policy") && root["policy"].is_string()) {
+    provenance.policy = root["policy"].get<std::string>();
+  }
+  auto scales = root.find("scales");
+  if (scales == root.end() || !scales->is_object()) {
+    return Status::error(cat(source, ": \"scales\" is missing or not an object"));
+  }
+  for (const auto& [key, value] : scales->items()) {
+    if (!value.is_number()) {
+      return Status::error(cat(source, ": scales[\"", key, "\"] is not a number"));
+    }
+    // The overlay writes each fp32 as a double that reads back as the same fp32.
+    provenance.scales[key] = static_cast<float>(value.get<double>());
+  }
+  if (auto file = root.find("scales_file"); file != root.end() && file->is_object()) {
+    if (file->contains("path") && (*file)["path"].is_string()) {
+      provenance.scales_file_path = (*file)["path"].get<std::string>();
+    }
+    if (file->contains("sha256") && (*file)["sha256"].is_string()) {
+      provenance.scales_file_sha256 = (*file)["sha256"].get<std::string>();
+    }
+  }
   auto base = root.find("base");
   if (base == root.end() || !base->is_object()) {
     return Status::error(cat(source, ": \"base\" is missing or not an object"));
@@ -157,6 +187,9 @@ Result<Provenance> read_provenance(const fs::path& path) {
     if (auto shard = derived->find("scales_shard"); shard != derived->end() && shard->is_object()) {
       if (shard->contains("sha256") && (*shard)["sha256"].is_string()) {
         provenance.scales_shard_sha256 = (*shard)["sha256"].get<std::string>();
+      }
+      if (shard->contains("bytes") && (*shard)["bytes"].is_number_unsigned()) {
+        provenance.scales_shard_bytes = (*shard)["bytes"].get<uint64_t>();
       }
     }
     if (auto rewritten = derived->find("rewritten_shards"); rewritten != derived->end()) {
@@ -202,6 +235,149 @@ std::optional<std::string> regular_file_problem(const fs::path& path, const std:
   }
   if (!S_ISREG(st.st_mode)) return cat(what, " is not a regular file");
   return std::nullopt;
+}
+
+// A JSON file the overlay wrote or recorded (the provenance's digest binds the base's index).
+Result<Json> read_json_file(const fs::path& path) {
+  E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    return Status::error(cat(path.string(), ": invalid JSON (", json_exception_reason(e), ")"));
+  }
+}
+
+// At most 60 characters of a JSON value for a message; "absent" for none.
+std::string json_text(const Json* value) {
+  if (value == nullptr) return "absent";
+  std::string text = value->dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text;
+}
+
+// The scales shard's tensors against the provenance's "scales": the same keys and, bit for bit,
+// the same fp32 values.
+void compare_recorded_scales(const SafetensorsFile& shard,
+                             const std::map<std::string, float>& recorded,
+                             std::vector<std::string>& problems) {
+  std::vector<std::string> differences;
+  std::set<std::string> seen;
+  for (const SafetensorsTensor& tensor : shard.tensors()) {
+    seen.insert(tensor.name);
+    auto it = recorded.find(tensor.name);
+    if (it == recorded.end()) {
+      differences.push_back(cat(tensor.name, " is in ", kKvScalesShardName, " but not recorded"));
+      continue;
+    }
+    if (tensor.dtype != DType::kF32 || tensor.bytes.size() != sizeof(float)) {
+      differences.push_back(cat(tensor.name, " in ", kKvScalesShardName, " is not an F32 scalar"));
+      continue;
+    }
+    float value = 0.0f;
+    std::memcpy(&value, tensor.bytes.data(), sizeof(value));
+    if (std::memcmp(&value, &it->second, sizeof(value)) != 0) {
+      differences.push_back(cat(tensor.name, " = ", format_scale_value(it->second), " in ",
+                                kProvenanceName, ", ", format_scale_value(value), " in ",
+                                kKvScalesShardName));
+    }
+  }
+  for (const auto& [key, value] : recorded) {
+    if (seen.count(key) == 0) {
+      differences.push_back(cat(key, " = ", format_scale_value(value), " is recorded but not in ",
+                                kKvScalesShardName));
+    }
+  }
+  if (!differences.empty()) {
+    problems.push_back(cat(kProvenanceName, " \"scales\" and ", kKvScalesShardName,
+                           " disagree: ", join_names(differences, 5)));
+  }
+}
+
+// Everything of the merged index but its weight_map (checked tensor by tensor) against what
+// make_overlay writes: the base index's other fields unchanged, and its metadata with total_size
+// grown by the scales and shrunk by the embedded scales left out; for a single-file base,
+// {"metadata": {"total_size": the bytes of every tensor}}.
+void check_index_fields(const fs::path& dir, const fs::path& base, const Checkpoint& base_ckpt,
+                        const std::set<std::string>& dropped, int64_t n_scales,
+                        std::vector<std::string>& problems) {
+  const std::string index_name(kSafetensorsIndexName);
+  const uint64_t scale_bytes = sizeof(float) * static_cast<uint64_t>(n_scales);
+  Json expected = Json::object();
+  if (base_ckpt.sharded()) {
+    Result<Json> base_index = read_json_file(base / kSafetensorsIndexName);
+    if (!base_index.ok()) {
+      problems.push_back(base_index.message());
+      return;
+    }
+    expected = std::move(base_index).value();
+    if (!expected.is_object()) {
+      problems.push_back(cat("the base's ", index_name, " is not a JSON object"));
+      return;
+    }
+    if (!expected.contains("metadata") || !expected["metadata"].is_object()) {
+      expected["metadata"] = Json::object();
+    }
+    uint64_t dropped_bytes = 0;
+    for (const std::string& name : dropped) {
+      if (const SafetensorsTensor* tensor = base_ckpt.find(name)) {
+        dropped_bytes += tensor->bytes.size();
+      }
+    }
+    Json& metadata = expected["metadata"];
+    if (auto total = metadata.find("total_size");
+        total != metadata.end() && total->is_number_integer() && *total >= 0) {
+      const uint64_t before = total->get<uint64_t>();
+      *total = (before >= dropped_bytes ? before - dropped_bytes : 0) + scale_bytes;
+    }
+  } else {
+    uint64_t total = scale_bytes;
+    for (const std::string& name : base_ckpt.tensor_names()) {
+      if (dropped.count(name) == 0) total += base_ckpt.find(name)->bytes.size();
+    }
+    expected["metadata"] = Json{{"total_size", total}};
+  }
+  expected.erase("weight_map");
+
+  Result<Json> derived = read_json_file(dir / kSafetensorsIndexName);
+  if (!derived.ok()) {
+    problems.push_back(derived.message());
+    return;
+  }
+  if (!derived->is_object()) {
+    problems.push_back(cat(index_name, " is not a JSON object"));
+    return;
+  }
+  derived->erase("weight_map");
+  std::vector<std::string> differences;
+  auto compare_objects = [&](const Json& have, const Json& want, const std::string& path) {
+    std::set<std::string> keys;
+    for (const auto& item : have.items()) keys.insert(item.key());
+    for (const auto& item : want.items()) keys.insert(item.key());
+    for (const std::string& key : keys) {
+      auto h = have.find(key);
+      auto w = want.find(key);
+      const Json* have_value = h == have.end() ? nullptr : &*h;
+      const Json* want_value = w == want.end() ? nullptr : &*w;
+      if (have_value && want_value && *have_value == *want_value) continue;
+      differences.push_back(cat(path, key, " is ", json_text(have_value), ", the overlay writes ",
+                                json_text(want_value)));
+    }
+  };
+  auto metadata = derived->find("metadata");
+  if (metadata == derived->end() || !metadata->is_object()) {
+    differences.push_back(cat("metadata is ",
+                              json_text(metadata == derived->end() ? nullptr : &*metadata),
+                              ", the overlay writes an object"));
+  } else {
+    compare_objects(*metadata, expected["metadata"], "metadata.");
+  }
+  derived->erase("metadata");
+  expected.erase("metadata");
+  compare_objects(*derived, expected, "");
+  if (!differences.empty()) {
+    problems.push_back(cat(
+        index_name, " differs from the index the overlay writes: ", join_names(differences, 5)));
+  }
 }
 
 }  // namespace
@@ -406,43 +582,65 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
                            short_digest(job.expected), "...)"));
   }
 
-  // The scales shard: contract, revision, negative-control marker and digest as recorded.
+  // The scales shard: contract, revision, policy, negative-control marker, size and digest as
+  // recorded, and exactly the scales the provenance records. The digest alone proves nothing
+  // when whoever changed the shard also rewrote the digest; the recorded scales are checked too.
   const fs::path scales_shard = dir / kKvScalesShardName;
+  const std::string shard_name(kKvScalesShardName);
+  int64_t n_scale_tensors = 0;
   struct stat scales_st {};
-  if (auto problem =
-          regular_file_problem(scales_shard, std::string(kKvScalesShardName), scales_st)) {
+  if (auto problem = regular_file_problem(scales_shard, shard_name, scales_st)) {
     problems.push_back(*problem);
   } else {
     Result<SafetensorsFile> shard = SafetensorsFile::open(scales_shard);
     if (!shard.ok()) {
       problems.push_back(shard.message());
     } else {
+      n_scale_tensors = static_cast<int64_t>(shard->tensors().size());
       const auto& metadata = shard->metadata();
       auto contract = metadata.find(std::string(kContractMetadataKey));
       if (contract == metadata.end() || contract->second != kScalesFormat) {
-        problems.push_back(cat(kKvScalesShardName, " lacks the contract string \"", kScalesFormat,
-                               "\" in its metadata"));
+        problems.push_back(
+            cat(shard_name, " lacks the contract string \"", kScalesFormat, "\" in its metadata"));
       }
       auto revision = metadata.find(std::string(kBaseRevisionMetadataKey));
       if (revision == metadata.end() || revision->second != provenance.revision) {
-        problems.push_back(cat(kKvScalesShardName, " was made for another base revision (",
+        problems.push_back(cat(shard_name, " was made for another base revision (",
                                revision == metadata.end() ? "none" : revision->second, ")"));
       }
+      auto revision_file = metadata.find("e4kv_base_revision_file");
+      if (revision_file != metadata.end() && revision_file->second != provenance.revision_file) {
+        problems.push_back(cat(shard_name, " names the revision file ", revision_file->second, ", ",
+                               kProvenanceName, " ", provenance.revision_file));
+      }
+      auto policy = metadata.find(std::string(kPolicyMetadataKey));
+      if (policy != metadata.end() && policy->second != provenance.policy) {
+        problems.push_back(cat(shard_name, " records the policy \"", policy->second, "\", ",
+                               kProvenanceName, " \"", provenance.policy, "\""));
+      }
       if (is_negative_control_metadata(metadata) != provenance.negative_control) {
-        problems.push_back(cat(kKvScalesShardName, " and ", kProvenanceName,
+        problems.push_back(cat(shard_name, " and ", kProvenanceName,
                                " disagree on whether the scales are a negative control"));
       }
+      compare_recorded_scales(*shard, provenance.scales, problems);
     }
-    if (provenance.scales_shard_sha256) {
+    if (!provenance.scales_shard_sha256) {
+      problems.push_back(cat(kProvenanceName, " records no sha256 for ", shard_name,
+                             " (derived.scales_shard.sha256)"));
+    } else {
       Result<std::string> digest = sha256_file(scales_shard);
       if (!digest.ok()) {
         problems.push_back(digest.message());
       } else if (*digest != *provenance.scales_shard_sha256) {
-        problems.push_back(cat(kKvScalesShardName,
-                               " changed since the overlay was made (sha256 now ",
+        problems.push_back(cat(shard_name, " changed since the overlay was made (sha256 now ",
                                short_digest(*digest), "..., recorded ",
                                short_digest(*provenance.scales_shard_sha256), "...)"));
       }
+    }
+    if (provenance.scales_shard_bytes &&
+        static_cast<uint64_t>(scales_st.st_size) != *provenance.scales_shard_bytes) {
+      problems.push_back(size_changed(shard_name, static_cast<uint64_t>(scales_st.st_size),
+                                      *provenance.scales_shard_bytes));
     }
   }
 
@@ -476,6 +674,7 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
     if (!wrong.empty()) {
       problems.push_back(cat("the derived index does not match the base: ", join_names(wrong, 5)));
     }
+    check_index_fields(dir, base, *base_ckpt, dropped, n_scale_tensors, problems);
   }
 
   if (!problems.empty()) {
@@ -506,6 +705,24 @@ Result<VerifyResult> verify_overlay(const VerifyOptions& options) {
             "(e4kv overlay --replace-embedded-scales); base shards written anew without "
             "them: ",
             join_names(names)));
+  }
+  // The scales file is not part of the overlay (its scales are in the scales shard, checked
+  // above) and may since have been moved or rewritten: its digest is recomputed and reported.
+  if (provenance.scales_file_path && provenance.scales_file_sha256) {
+    const std::string& path = *provenance.scales_file_path;
+    struct stat st {};
+    if (regular_file_problem(path, path, st)) {
+      result.notes.push_back(cat("provenance: the scales file ", path,
+                                 " is gone or unreadable (not needed: the overlay holds its "
+                                 "scales)"));
+    } else if (Result<std::string> digest = sha256_file(path);
+               digest.ok() && *digest == *provenance.scales_file_sha256) {
+      result.notes.push_back(cat("provenance: the scales file ", path, " is unchanged"));
+    } else {
+      result.notes.push_back(cat("provenance: the scales file ", path,
+                                 " changed since the overlay was made (not part of the overlay, "
+                                 "whose scales match its provenance)"));
+    }
   }
   if (provenance.negative_control) {
     result.notes.push_back(

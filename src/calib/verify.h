@@ -9,12 +9,19 @@
 //    provenance: every base file it recorded is checked again (hashed when it was recorded with a
 //    digest; compared by size when it was recorded by size only, --hash index-config) and a
 //    missing, unreadable (with the errno's reason) or changed one is an error naming it; the base
-//    revision and the scales shard's metadata (revision, negative-control marker) and digest
-//    must match the record; files the derived directory holds in place of base files (copies,
-//    shards written anew without embedded scales) must match their records; every file the
-//    engine reads from the derived directory (kEngineReadFiles, every shard) must be recorded; and
-//    the derived index must map every base tensor to the base's shard (embedded scale keys the
-//    overlay replaced excepted) and add only K/V scale keys in model-kvscales.safetensors.
+//    revision and the scales shard's metadata (contract, revision, revision file, policy,
+//    negative-control marker), size and digest (recomputed; a provenance without one fails) must
+//    match the record, and the shard must hold exactly the provenance's "scales", key for key
+//    and bit for bit (so a shard rewritten together with its recorded digest is still caught);
+//    files the derived directory holds in place of base files (copies, shards written anew
+//    without embedded scales) must match their records; every file the engine reads from the
+//    derived directory (kEngineReadFiles, every shard) must be recorded; the derived index must
+//    map every base tensor to the base's shard (embedded scale keys the overlay replaced
+//    excepted) and add only K/V scale keys in model-kvscales.safetensors; and everything else in
+//    the derived index (its metadata, any other field) must be what the overlay writes: the base
+//    index's fields with total_size adjusted for the scales added and embedded scales left out.
+//    The digest of the scales file the overlay was made from is recomputed when the file is still
+//    there and reported as a note (it is not part of the overlay).
 // A plain checkpoint (no provenance, no revision recorded anywhere) passes on the gate alone; the
 // result says provenance was not checked. An overlay made with --unit-scale-negative-control
 // passes with a NEGATIVE CONTROL note (and the gate's summary says so too).

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/half.h"
+#include "e4kv/e4m3.h"
 #include "io/checkpoint.h"
 
 namespace e4kv {
@@ -148,6 +149,71 @@ std::string format_scale_value(float value) {
   return text;
 }
 
+namespace {
+
+// The extreme finite nonzero FP16 magnitudes: the smallest subnormal and the largest normal.
+constexpr float kFp16MinSubnormal = 5.9604644775390625e-08f;  // 2^-24
+constexpr float kFp16Max = 65504.0f;
+
+// fl(x / scale) does not increase with the scale and the E4M3 rounding is monotone, so for a
+// positive scale these hold for every FP16 value exactly when they hold for the extreme one.
+bool every_fp16_saturates(float scale) {
+  return e4m3_encode(kFp16MinSubnormal, scale) == kE4m3MaxCode;
+}
+bool every_fp16_flushes(float scale) {
+  return e4m3_encode(kFp16Max, scale) == 0;
+}
+
+// The last positive finite fp32 for which `holds` is true, `holds` being true up to some point and
+// false after it (or the reverse with `rising`); positive fp32 values sort as their bit patterns.
+float fp32_boundary(bool (*holds)(float), bool rising) {
+  uint32_t lo = 1u;           // denorm_min
+  uint32_t hi = 0x7F7FFFFFu;  // the largest finite fp32
+  auto at = [](uint32_t bits) {
+    float value = 0.0f;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  };
+  // Invariant: holds(lo) != rising, holds(hi) == rising.
+  E4KV_ASSERT(holds(at(lo)) != rising && holds(at(hi)) == rising, "kv scale limits: not monotone");
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    (holds(at(mid)) == rising ? hi : lo) = mid;
+  }
+  return at(rising ? hi : lo);
+}
+
+}  // namespace
+
+const KvScaleLimits& kv_scale_limits() {
+  static const KvScaleLimits limits = {fp32_boundary(every_fp16_saturates, /*rising=*/false),
+                                       fp32_boundary(every_fp16_flushes, /*rising=*/true)};
+  return limits;
+}
+
+std::optional<std::string> kv_scale_value_problem(float value) {
+  if (!std::isfinite(value)) return std::string("not finite");
+  if (!(value > 0.0f)) return std::string("not > 0");
+  const KvScaleLimits& limits = kv_scale_limits();
+  const std::string range =
+      cat("valid scales lie strictly between ", format_scale_value(limits.largest_saturating),
+          " and ", format_scale_value(limits.smallest_flushing),
+          "; make scales with e4kv calibrate and e4kv summarize");
+  if (value <= limits.largest_saturating) {
+    return cat(
+        "too small: every nonzero FP16 value would saturate to +-448 in E4M3, even 2^-24 / "
+        "scale rounds to the E4M3 maximum; ",
+        range);
+  }
+  if (value >= limits.smallest_flushing) {
+    return cat(
+        "too large: every FP16 value would round to zero in E4M3, even 65504 / scale "
+        "rounds to 0; ",
+        range);
+  }
+  return std::nullopt;
+}
+
 KvScaleGate::KvScaleGate(const ModelConfig& config, std::string prefix, KvCacheDtype dtype,
                          Options options)
     : n_layers_(config.n_layers),
@@ -224,10 +290,8 @@ bool KvScaleGate::load(std::string_view name, const SafetensorsTensor& tensor) {
     slot->problem = value.message();
     return true;
   }
-  if (!std::isfinite(*value)) {
-    slot->problem = cat("= ", format_scale_value(*value), " (not finite)");
-  } else if (!(*value > 0.0f)) {
-    slot->problem = cat("= ", format_scale_value(*value), " (not > 0",
+  if (std::optional<std::string> problem = kv_scale_value_problem(*value)) {
+    slot->problem = cat("= ", format_scale_value(*value), " (", *problem,
                         *value == -1.0f ? "; -1 is the unloaded sentinel" : "", ")");
   } else {
     slot->value = *value;

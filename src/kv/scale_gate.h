@@ -1,5 +1,7 @@
 // The K/V scale start-up gate (DESIGN.md section 5): an E4M3 KV cache starts only when every
-// expected per-layer K and V scale was explicitly loaded and is finite and > 0. It fails closed.
+// expected per-layer K and V scale was explicitly loaded and is valid: finite, > 0, and inside the
+// range where the codec can store some FP16 value as neither 0 nor the E4M3 maximum
+// (kv_scale_value_problem). It fails closed.
 //
 // Two kinds of state are kept apart, as in the seed: loading slots start at the invalid sentinel
 // -1.0 and record which checkpoint key set them; runtime scales (KvScales) start at 1.0 and are
@@ -115,8 +117,8 @@ class KvScaleGate {
   // Offers one tensor. Returns false (and records nothing) when `name` is not a K/V scale key in
   // any accepted spelling; true otherwise. In FP16 mode scale keys are accepted and ignored. A
   // scale key for a layer with no E4M3 cache, with another prefix, or for a slot already set by
-  // another key, and a tensor that is not an F32/F16/BF16 one-element tensor or not finite and > 0,
-  // are recorded as problems for finalize().
+  // another key, and a tensor that is not an F32/F16/BF16 one-element tensor or whose value
+  // kv_scale_value_problem() refuses, are recorded as problems for finalize().
   bool load(std::string_view name, const SafetensorsTensor& tensor);
 
   // Validates every slot. On success copies the slots into `runtime` (resized to n_layers if
@@ -166,5 +168,24 @@ Result<KvScales> load_kv_scales(const Checkpoint& ckpt, KvCacheDtype dtype,
 
 // A scale value as the gate's messages print it: "nan", "inf", "-0", "0.0171247218".
 std::string format_scale_value(float value);
+
+// The range of usable K/V scales, derived from the codec (include/e4kv/e4m3.h): the cache stores
+// e4m3_encode(x, scale) = e4m3_satfinite_rne(fl(x / scale)) for FP16 values x, whose finite
+// nonzero magnitudes run from 2^-24 to 65504. At a scale at or below `largest_saturating` even
+// 2^-24 / scale rounds to the E4M3 maximum, so every nonzero FP16 value is stored as +-448; at a
+// scale at or above `smallest_flushing` even 65504 / scale rounds to 0, so every value is stored
+// as 0. Valid scales lie strictly between the two (both are exact fp32 boundaries, found by
+// bisection over fp32 bit patterns with the codec itself).
+struct KvScaleLimits {
+  float largest_saturating = 0.0f;
+  float smallest_flushing = 0.0f;
+};
+const KvScaleLimits& kv_scale_limits();
+
+// Why `value` cannot be a K/V scale, or nullopt when it can: not finite, not > 0, or outside
+// kv_scale_limits() (the text then says which way every FP16 value would go, gives the valid
+// range and says how to make scales). The one rule for scales everywhere: the gate, scales.json
+// (read and written), summarize and overlay.
+std::optional<std::string> kv_scale_value_problem(float value);
 
 }  // namespace e4kv

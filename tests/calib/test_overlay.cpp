@@ -428,7 +428,8 @@ TEST_F(OverlayTest, HashScopeIndexConfig) {
   v.dir = tmp_ / "d";
   Result<VerifyResult> verified = verify_overlay(v);
   ASSERT_TRUE(verified.ok()) << verified.message();
-  ASSERT_EQ(verified->notes.size(), 2u);
+  ASSERT_EQ(verified->notes.size(), 3u);
+  EXPECT_TRUE(contains(verified->notes[2], "the scales file")) << verified->notes[2];
   EXPECT_TRUE(contains(verified->notes[1], "--hash index-config")) << verified->notes[1];
   EXPECT_TRUE(contains(verified->notes[1], "checked for existence and size only, not hashed"))
       << verified->notes[1];

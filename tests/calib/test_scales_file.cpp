@@ -16,6 +16,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "kv/scale_gate.h"
+
 namespace e4kv {
 namespace {
 
@@ -59,8 +61,11 @@ TEST_F(ScalesFileTest, RoundTripIsExact) {
     file.scales[cat("model.layers.", layer, ".self_attn.v_scale")] =
         0.0171247218f * float(layer + 1);
   }
-  file.scales["model.layers.40.self_attn.k_scale"] = std::numeric_limits<float>::denorm_min();
-  file.scales["model.layers.40.self_attn.v_scale"] = std::numeric_limits<float>::max();
+  // The extremes of the usable range (kv_scale_limits): fp32 values far from 1.
+  file.scales["model.layers.40.self_attn.k_scale"] =
+      std::nextafter(kv_scale_limits().largest_saturating, 1.0f);
+  file.scales["model.layers.40.self_attn.v_scale"] =
+      std::nextafter(kv_scale_limits().smallest_flushing, 1.0f);
   file.scales["model.layers.41.self_attn.k_scale"] = 1.0f;
   file.scales["model.layers.41.self_attn.v_scale"] = std::nextafter(1.0f, 2.0f);
 
@@ -122,6 +127,10 @@ TEST_F(ScalesFileTest, WriteRefusesBadScales) {
   EXPECT_TRUE(contains(write_scales_file(dir_ / "a.json", file).message(), "not finite"));
   file.scales["model.layers.0.self_attn.k_scale"] = -0.0f;
   EXPECT_TRUE(contains(write_scales_file(dir_ / "a.json", file).message(), "is not > 0"));
+  file.scales["model.layers.0.self_attn.k_scale"] = std::numeric_limits<float>::denorm_min();
+  EXPECT_TRUE(contains(write_scales_file(dir_ / "a.json", file).message(), "is too small"));
+  file.scales["model.layers.0.self_attn.k_scale"] = std::numeric_limits<float>::max();
+  EXPECT_TRUE(contains(write_scales_file(dir_ / "a.json", file).message(), "is too large"));
   file.scales["model.layers.0.self_attn.k_scale"] = 0.5f;
   file.source_json = "[1]";
   EXPECT_TRUE(contains(write_scales_file(dir_ / "a.json", file).message(), "JSON object"));
@@ -163,6 +172,15 @@ TEST(ScalesFileParse, BadInputsAreNamed) {
            Case{with_scales(k3 + ": -1"), "is not > 0"},
            Case{with_scales(k3 + ": 1e39"), "overflows fp32"},
            Case{with_scales(k3 + ": 1e-50"), "underflows fp32 to 0"},
+           // Outside the range the start-up gate accepts (kv_scale_value_problem).
+           Case{with_scales(k3 + ": 1e30"),
+                "scale \"model.layers.3.self_attn.k_scale\" = 1.00000002e+30 is too large: "
+                "every FP16 value would round to zero in E4M3"},
+           Case{with_scales(k3 + ": 1.4e-45"),
+                "scale \"model.layers.3.self_attn.k_scale\" = 1.40129846e-45 is too small: "
+                "every nonzero FP16 value would saturate to +-448 in E4M3"},
+           Case{with_scales(k3 + ": 67076096"), "is too large"},
+           Case{with_scales(k3 + ": 1.3797371e-10"), "is too small"},
            Case{with_scales(k3 + ": 1e999"), "number overflow"},
            Case{with_scales(k3 + ": NaN"), "invalid JSON"},
            Case{with_scales(R"("model.layers.3.self_attn.q_scale": 1)"), "is not a K/V scale key"},

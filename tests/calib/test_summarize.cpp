@@ -18,6 +18,7 @@
 #include "calib/report.h"
 #include "core/half.h"
 #include "e4kv/e4m3.h"
+#include "kv/scale_gate.h"
 
 namespace e4kv {
 namespace {
@@ -140,6 +141,31 @@ TEST(Summarize, AbsmaxPolicyNeverSaturates) {
     }
     EXPECT_EQ(summary->totals.saturated, 0);
   }
+}
+
+// Statistics whose only nonzero magnitude is 2^-24: min_scale_for gives 2^-24 / 448 (to within
+// an ulp), at which every nonzero FP16 value is stored as +-448 and the gate refuses the scale.
+// Summarize gives the smallest scale the gate accepts instead, which still saturates nothing.
+TEST(Summarize, AScaleBelowTheUsableRangeIsRaisedToIt) {
+  KvStats stats(header());
+  const uint16_t values[4] = {0x0001, 0x8001, 0, 0x0001};  // +-2^-24 and a zero
+  for (size_t i = 0; i < stats.size(); ++i) stats.at(i).observe(values, 4);
+  Result<Summary> summary = summarize({{"a.jsonl", "", stats}}, {});
+  ASSERT_TRUE(summary.ok()) << summary.message();
+  const float tiny = std::ldexp(1.0f, -24);
+  ASSERT_TRUE(kv_scale_value_problem(min_scale_for(tiny)));
+  const float smallest_valid =
+      std::nextafter(kv_scale_limits().largest_saturating, std::numeric_limits<float>::infinity());
+  for (const TensorSummary& t : summary->tensors) {
+    EXPECT_EQ(t.scale, smallest_valid) << t.key;
+    EXPECT_FALSE(kv_scale_value_problem(t.scale)) << t.key;
+    EXPECT_LE(tiny / t.scale, 448.0f);
+    EXPECT_EQ(t.saturated, 0);
+  }
+  const std::filesystem::path out =
+      std::filesystem::path(::testing::TempDir()) / cat("raised-", ::getpid(), ".scales.json");
+  EXPECT_TRUE(write_scales_file(out, summary_scales_file(*summary)).ok());
+  std::filesystem::remove(out);
 }
 
 TEST(Summarize, PercentilesAndFractionsAgreeWithRawValuesWithinOneBin) {

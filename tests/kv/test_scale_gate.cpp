@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <span>
@@ -18,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "core/half.h"
+#include "e4kv/e4m3.h"
 #include "io/checkpoint.h"
 #include "io/model_config.h"
 #include "testing/synth_checkpoint.h"
@@ -254,6 +256,115 @@ INSTANTIATE_TEST_SUITE_P(
                       BadValue{"zero", 0.0f, "0"}, BadValue{"neg_zero", -0.0f, "-0"},
                       BadValue{"negative", -0.25f, "-0.25"}, BadValue{"sentinel", -1.0f, "-1"}),
     [](const auto& param_info) { return std::string(param_info.param.label); });
+
+// The valid range found independently of kv_scale_limits(): a scale is useless when every finite
+// nonzero FP16 value (all 63488 of them, both signs) encodes to +-448, or every finite FP16 value
+// encodes to +-0, with the codec the cache write uses. Both properties are monotone in the scale,
+// so the boundary is found by bisection over positive fp32 bit patterns with these brute-force
+// predicates.
+bool every_fp16_encodes_to(float scale, uint8_t magnitude_code) {
+  for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const float x = f16_to_f32(uint16_t(bits));
+    if (!std::isfinite(x) || (x == 0.0f && magnitude_code != 0)) continue;
+    if ((e4m3_encode(x, scale) & 0x7Fu) != magnitude_code) return false;
+  }
+  return true;
+}
+
+float from_bits(uint32_t bits) {
+  float value = 0.0f;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// The last bit pattern in [1, 0x7F7FFFFF] where `holds` equals `at_low` (true at 1, false at the
+// top, or the reverse).
+uint32_t last_with(const std::function<bool(float)>& holds, bool at_low) {
+  uint32_t lo = 1u;
+  uint32_t hi = 0x7F7FFFFFu;
+  EXPECT_EQ(holds(from_bits(lo)), at_low);
+  EXPECT_NE(holds(from_bits(hi)), at_low);
+  while (hi - lo > 1) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    (holds(from_bits(mid)) == at_low ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+TEST(KvScaleLimits, AreTheCodecsExactBoundaries) {
+  const float saturating =
+      from_bits(last_with([](float s) { return every_fp16_encodes_to(s, kE4m3MaxCode); }, true));
+  const float flushing =
+      from_bits(last_with([](float s) { return every_fp16_encodes_to(s, 0); }, false) + 1u);
+  const KvScaleLimits& limits = kv_scale_limits();
+  EXPECT_EQ(limits.largest_saturating, saturating);
+  EXPECT_EQ(limits.smallest_flushing, flushing);
+  // By hand: 65504 / s <= 2^-10 + 2^-34 (the tie rounds to the even 2^-10, which rounds to 0)
+  // holds from s = 65504 * 2^10 / (1 + 2^-24) up, and fp32 steps by 4 there: 67076096 = 65504 *
+  // 2^10. 2^-24 / s >= 432 - 2^-16 (which rounds to 432, half way to 448, which wins the tie):
+  // s <= 2^-24 / (432 - 2^-16) = 1.3797371963...e-10, whose fp32 floor is 0x2F17B426.
+  EXPECT_EQ(flushing, 67076096.0f);
+  EXPECT_EQ(saturating, from_bits(0x2F17B426u));
+  // Inside the range some FP16 value is stored as neither 0 nor +-448.
+  EXPECT_FALSE(every_fp16_encodes_to(std::nextafter(saturating, 1.0f), kE4m3MaxCode));
+  EXPECT_FALSE(every_fp16_encodes_to(std::nextafter(flushing, 0.0f), 0));
+}
+
+TEST(KvScaleLimits, ValueProblemUsesThem) {
+  const KvScaleLimits& limits = kv_scale_limits();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float valid : {std::nextafter(limits.largest_saturating, inf), 1.0f, 0.0171247218f,
+                      std::nextafter(limits.smallest_flushing, 0.0f)}) {
+    EXPECT_FALSE(kv_scale_value_problem(valid)) << valid;
+  }
+  for (float low : {limits.largest_saturating, 1.4e-45f, std::numeric_limits<float>::min(),
+                    std::nextafter(std::numeric_limits<float>::min(), 0.0f)}) {
+    ASSERT_TRUE(kv_scale_value_problem(low)) << low;
+    EXPECT_TRUE(contains(*kv_scale_value_problem(low), "every nonzero FP16 value would saturate"));
+  }
+  for (float high : {limits.smallest_flushing, 1e30f, std::numeric_limits<float>::max()}) {
+    ASSERT_TRUE(kv_scale_value_problem(high)) << high;
+    EXPECT_TRUE(contains(*kv_scale_value_problem(high), "every FP16 value would round to zero"));
+  }
+  EXPECT_EQ(kv_scale_value_problem(std::nanf("")), "not finite");
+  EXPECT_EQ(kv_scale_value_problem(-inf), "not finite");
+  EXPECT_EQ(kv_scale_value_problem(-0.0f), "not > 0");
+}
+
+// The gate refuses the boundary values and the absurd ones, naming the key and the value, and
+// accepts the values just inside.
+TEST_F(ScaleGateTest, ScalesOutsideTheUsableRangeAreInvalid) {
+  const KvScaleLimits& limits = kv_scale_limits();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<OwnedTensor> set = valid_set();
+  set[0] = f32(key(3, KvTensor::kK), std::nextafter(limits.largest_saturating, inf));
+  set[1] = f32(key(3, KvTensor::kV), std::nextafter(limits.smallest_flushing, 0.0f));
+  ASSERT_TRUE(run(set).ok());
+  EXPECT_EQ(runtime_.k_scale[3], std::nextafter(limits.largest_saturating, inf));
+  EXPECT_EQ(runtime_.v_scale[3], 67076092.0f);
+
+  set = valid_set();
+  set[0] = f32(key(3, KvTensor::kK), limits.largest_saturating);
+  set[1] = f32(key(3, KvTensor::kV), limits.smallest_flushing);
+  set[2] = f32(key(7, KvTensor::kK), 1e30f);
+  set[3] = f32(key(7, KvTensor::kV), 1.4e-45f);
+  // Every positive finite FP16 scale is usable; a BF16 one need not be.
+  set[4] = half_bits(key(11, KvTensor::kK), DType::kBF16, f32_to_bf16(std::ldexp(1.0f, -40)));
+  Status status = run(set);
+  ASSERT_FALSE(status.ok());
+  const std::string& m = status.message();
+  EXPECT_TRUE(contains(m, "loaded 3/8")) << m;
+  const std::string low = " (too small: every nonzero FP16 value would saturate to +-448 in E4M3";
+  const std::string high = " (too large: every FP16 value would round to zero in E4M3";
+  EXPECT_TRUE(contains(m, "invalid: model.layers.3.self_attn.k_scale = 1.37973716e-10" + low)) << m;
+  EXPECT_TRUE(contains(m, "invalid: model.layers.3.self_attn.v_scale = 67076096" + high)) << m;
+  EXPECT_TRUE(contains(m, "invalid: model.layers.7.self_attn.k_scale = 1.00000002e+30" + high))
+      << m;
+  EXPECT_TRUE(contains(m, "invalid: model.layers.7.self_attn.v_scale = 1.40129846e-45" + low)) << m;
+  EXPECT_TRUE(contains(m, "invalid: model.layers.11.self_attn.k_scale = 9.09494702e-13" + low))
+      << m;
+  EXPECT_TRUE(contains(m, "valid scales lie strictly between 1.37973716e-10 and 67076096")) << m;
+}
 
 TEST_F(ScaleGateTest, NotFiniteAndNotPositiveSayWhy) {
   std::vector<OwnedTensor> set = valid_set();
