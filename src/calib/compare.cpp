@@ -9,6 +9,7 @@
 #include "calib/report.h"
 #include "core/check.h"
 #include "core/file_io.h"
+#include "core/output_set.h"
 
 namespace e4kv {
 namespace {
@@ -327,17 +328,21 @@ std::string compare_svg(const CompareReport& report) {
   return out;
 }
 
-Status write_compare_report(const std::filesystem::path& dir, const CompareReport& report) {
+Status write_compare_report(const std::filesystem::path& dir, const CompareReport& report,
+                            bool replace) {
+  const std::filesystem::path parent =
+      std::filesystem::absolute(dir).lexically_normal().parent_path();
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec || !std::filesystem::is_directory(dir)) {
-    return Status::error(cat(dir.string(), ": cannot create the compare directory",
-                             ec ? cat(": ", ec.message()) : std::string()));
+  std::filesystem::create_directories(parent, ec);
+  if (ec) {
+    return Status::error(cat(dir.string(), ": cannot create the compare directory's parent: ",
+                             ec.message()));
   }
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "compare.json", compare_json(report)));
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "compare.md", compare_markdown(report)));
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "compare.svg", compare_svg(report)));
-  return ok_status();
+  return write_output_set_dir(dir,
+                              {{std::string(kCompareFileNames[0]), compare_json(report)},
+                               {std::string(kCompareFileNames[1]), compare_markdown(report)},
+                               {std::string(kCompareFileNames[2]), compare_svg(report)}},
+                              replace);
 }
 
 }  // namespace e4kv

@@ -20,12 +20,14 @@
 // - Retrieval (passkey): per (context, depth) the prompts whose continuation holds the key.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "calib/quality_metrics.h"
@@ -109,7 +111,13 @@ struct CompareReport {
 std::string compare_json(const CompareReport& report);
 std::string compare_markdown(const CompareReport& report);
 std::string compare_svg(const CompareReport& report);
-// Creates `dir` if needed and writes compare.json, compare.md and compare.svg (each atomically).
-Status write_compare_report(const std::filesystem::path& dir, const CompareReport& report);
+// The files of a compare directory, written as one set.
+inline constexpr std::array<std::string_view, 3> kCompareFileNames = {"compare.json", "compare.md",
+                                                                      "compare.svg"};
+// Writes compare.json, compare.md and compare.svg as one set (write_output_set_dir,
+// core/output_set.h): built beside `dir` and renamed onto it once. `dir` must be new or empty, or,
+// with `replace`, hold only compare files. Creates the parent directories if needed.
+Status write_compare_report(const std::filesystem::path& dir, const CompareReport& report,
+                            bool replace = false);
 
 }  // namespace e4kv

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -15,6 +16,7 @@
 #include "core/file_io.h"
 #include "core/half.h"
 #include "core/json_error.h"
+#include "core/sha256.h"
 
 namespace e4kv {
 namespace {
@@ -362,6 +364,77 @@ Result<KvStats> read_kv_stats(const std::filesystem::path& path) {
 
 Status write_kv_stats(const std::filesystem::path& path, const KvStats& stats) {
   return write_file_atomic(path, kv_stats_to_jsonl(stats));
+}
+
+std::string calibrate_stats_name(int64_t index, int64_t count) {
+  return cat("kv-stats-shard-", index, "-of-", count, ".jsonl");
+}
+
+std::string calibrate_run_name(int64_t index, int64_t count) {
+  return cat("calibrate-shard-", index, "-of-", count, ".json");
+}
+
+namespace {
+
+// "kv-stats-shard-I-of-N.jsonl" -> {I, N}, digits only (as calibrate prints them).
+std::optional<std::pair<int64_t, int64_t>> calibrate_shard_of(const std::string& name) {
+  constexpr std::string_view kPrefix = "kv-stats-shard-", kMiddle = "-of-", kSuffix = ".jsonl";
+  if (!name.starts_with(kPrefix) || !name.ends_with(kSuffix)) return std::nullopt;
+  const std::string body =
+      name.substr(kPrefix.size(), name.size() - kPrefix.size() - kSuffix.size());
+  const size_t middle = body.find(kMiddle);
+  if (middle == std::string::npos) return std::nullopt;
+  const std::string index = body.substr(0, middle), count = body.substr(middle + kMiddle.size());
+  auto digits = [](const std::string& t) {
+    return !t.empty() && t.size() <= 18 &&
+           std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(index) || !digits(count)) return std::nullopt;
+  return std::make_pair(std::stoll(index), std::stoll(count));
+}
+
+}  // namespace
+
+Status check_calibrate_run_file(const std::filesystem::path& stats_path, std::string_view text) {
+  const auto shard = calibrate_shard_of(stats_path.filename().string());
+  if (!shard) return ok_status();
+  const std::filesystem::path run_path =
+      stats_path.parent_path() / calibrate_run_name(shard->first, shard->second);
+  const std::string rerun = cat("; re-run that shard (e4kv calibrate --shard ", shard->first, "/",
+                                shard->second, " --force --out ",
+                                stats_path.has_parent_path() ? stats_path.parent_path().string()
+                                                             : std::string("."),
+                                " ...)");
+  E4KV_ASSIGN_OR_RETURN(const std::optional<std::string> run_text, read_optional_file(run_path));
+  if (!run_text) {
+    return Status::error(cat(stats_path.string(), ": its run file ", run_path.string(),
+                             " is missing, so the calibrate run that wrote it did not finish",
+                             rerun));
+  }
+  json run;
+  try {
+    run = json::parse(*run_text);
+  } catch (const json::exception& e) {
+    return Status::error(cat(run_path.string(), ": invalid JSON (", json_exception_reason(e),
+                             "), so it cannot vouch for ", stats_path.string(), rerun));
+  }
+  const auto bytes = run.is_object() ? run.find(kRunStatisticsBytesKey) : run.end();
+  const auto sha = run.is_object() ? run.find(kRunStatisticsSha256Key) : run.end();
+  if (!run.is_object() || bytes == run.end() || !bytes->is_number_unsigned() ||
+      sha == run.end() || !sha->is_string() || !is_sha256_hex(sha->get<std::string>())) {
+    return Status::error(cat(run_path.string(), ": records no \"", kRunStatisticsBytesKey,
+                             "\" and \"", kRunStatisticsSha256Key, "\" of ",
+                             stats_path.string(), ", so the two cannot be matched", rerun));
+  }
+  const std::string actual = sha256_hex(text);
+  if (bytes->get<uint64_t>() != text.size() || sha->get<std::string>() != actual) {
+    return Status::error(cat(
+        stats_path.string(), " (", text.size(), " bytes, SHA-256 ", actual.substr(0, 12),
+        "...) is not the statistics file its run file ", run_path.string(), " records (",
+        bytes->get<uint64_t>(), " bytes, SHA-256 ", sha->get<std::string>().substr(0, 12),
+        "...): the two come from different calibrate runs, one of them interrupted", rerun));
+  }
+  return ok_status();
 }
 
 }  // namespace e4kv

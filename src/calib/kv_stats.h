@@ -79,4 +79,23 @@ Result<KvStats> read_kv_stats(const std::filesystem::path& path);
 // Writes atomically (temporary file in the same directory, then rename).
 Status write_kv_stats(const std::filesystem::path& path, const KvStats& stats);
 
+// What `e4kv calibrate --shard I/N --out DIR` writes for one shard, as one set:
+//   DIR/kv-stats-shard-I-of-N.jsonl   the statistics (written first)
+//   DIR/calibrate-shard-I-of-N.json   the run file (written last): what ran, and
+//                                     "statistics_bytes" / "statistics_sha256" of the statistics
+// Each is renamed into place on its own, so the run file is the manifest: a statistics file is one
+// calibrate run's only when its run file exists and records its size and SHA-256. A kill between
+// the two renames leaves statistics without a run file, or (replacing an earlier run with --force)
+// beside the earlier run's file; check_calibrate_run_file refuses both.
+std::string calibrate_stats_name(int64_t index, int64_t count);
+std::string calibrate_run_name(int64_t index, int64_t count);
+inline constexpr const char* kRunStatisticsBytesKey = "statistics_bytes";
+inline constexpr const char* kRunStatisticsSha256Key = "statistics_sha256";
+
+// For a statistics file named as calibrate names one (kv-stats-shard-I-of-N.jsonl) with contents
+// `text`: an error naming both files, saying to re-run that shard, unless the run file beside it
+// exists and records exactly this size and SHA-256. Files named otherwise (e4kv synth-stats
+// outputs, statistics copied under another name) are not calibrate's set and pass.
+Status check_calibrate_run_file(const std::filesystem::path& stats_path, std::string_view text);
+
 }  // namespace e4kv

@@ -24,6 +24,7 @@
 #include "calib/scales_file.h"
 #include "core/file_io.h"
 #include "core/json_error.h"
+#include "core/output_set.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -39,12 +40,6 @@ constexpr std::string_view kTempMarker = ".e4kv-overlay-tmp.";
 
 std::string errno_text(int error) {
   return errno_message(error);
-}
-
-// The test hook described in overlay.h.
-void crash_point(const char* name) {
-  const char* at = std::getenv("E4KV_TEST_CRASH_AT");
-  if (at != nullptr && std::strcmp(at, name) == 0) ::_exit(9);
 }
 
 // True when `inner` is `outer` or lies below it (both absolute and normalised).
@@ -443,6 +438,9 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   if (options.out_dir.empty()) {
     return Status::option_error("out_dir", "is required: the derived directory");
   }
+  if (Status root = check_not_in_root(options.out_dir); !root.ok()) {
+    return Status::option_error("out_dir", root.message());
+  }
   fs::path out_abs = fs::absolute(options.out_dir, ec).lexically_normal();
   if (!out_abs.has_filename()) out_abs = out_abs.parent_path();  // "dir/" -> "dir"
   const std::string out_arg = options.out_dir.string();
@@ -705,6 +703,11 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   result.replaced_keys.assign(embedded.begin(), embedded.end());
 
   // ---- build in a temporary directory beside the output -----------------------------------------
+  // One overlay run per output at a time (core/output_set.h), held until the rename below is done.
+  // Taken only now, so that a refusal above leaves the output's directory untouched; the rename
+  // refuses an output that filled up meanwhile.
+  Result<OutputLock> lock = OutputLock::acquire(lock_path_for(out), out_arg);
+  if (!lock.ok()) return Status::option_error("out_dir", lock.message());
   result.removed_stale = remove_stale_temp_dirs(parent, out_name);
   if (::mkdir(temp.c_str(), 0755) != 0) {
     return Status::error(

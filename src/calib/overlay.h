@@ -44,9 +44,13 @@
 // leaves one behind; the next make_overlay() for the same output removes those whose process no
 // longer exists (OverlayResult::removed_stale).
 //
-// Test hook: with the environment variable E4KV_TEST_CRASH_AT set to one of after-temp-dir,
-// after-links, after-scales, after-index, after-provenance, before-rename, the process _exit(9)s at
-// that point, as a SIGKILL there would.
+// A second make_overlay() for the same output while one builds it is refused: the lock
+// `<parent>/.<name>.lock` (core/output_set.h) is held from the temporary directory's creation to
+// the rename.
+//
+// Test hook (crash_point, core/output_set.h): with the environment variable E4KV_TEST_CRASH_AT set
+// to one of after-temp-dir, after-links, after-scales, after-index, after-provenance,
+// before-rename, the process _exit(9)s at that point, as a SIGKILL there would.
 #pragma once
 
 #include <array>

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/output_set.h"
 #include "e4kv/e4m3.h"
 
 namespace e4kv {
@@ -584,17 +585,20 @@ std::string report_svg(const Summary& summary) {
 // ---- files
 // ---------------------------------------------------------------------------------------
 
-Status write_report(const std::filesystem::path& dir, const Summary& summary) {
+Status write_report(const std::filesystem::path& dir, const Summary& summary, bool replace) {
+  const std::filesystem::path parent =
+      std::filesystem::absolute(dir).lexically_normal().parent_path();
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec || !std::filesystem::is_directory(dir)) {
-    return Status::error(cat(dir.string(), ": cannot create the report directory",
-                             ec ? cat(": ", ec.message()) : std::string()));
+  std::filesystem::create_directories(parent, ec);
+  if (ec) {
+    return Status::error(cat(dir.string(), ": cannot create the report directory's parent: ",
+                             ec.message()));
   }
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "report.json", report_json(summary)));
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "report.md", report_markdown(summary)));
-  E4KV_RETURN_IF_ERROR(write_file_atomic(dir / "report.svg", report_svg(summary)));
-  return ok_status();
+  return write_output_set_dir(dir,
+                              {{std::string(kReportFileNames[0]), report_json(summary)},
+                               {std::string(kReportFileNames[1]), report_markdown(summary)},
+                               {std::string(kReportFileNames[2]), report_svg(summary)}},
+                              replace);
 }
 
 }  // namespace e4kv

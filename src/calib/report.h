@@ -11,6 +11,7 @@
 //              subnormal part [2^-9, 2^-6) shaded darker, and the absmax.
 #pragma once
 
+#include <array>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -29,8 +30,15 @@ std::string report_svg(const Summary& summary);
 // `text` with &, <, > and " as XML entities (SVG text and attributes).
 std::string xml_escape(std::string_view text);
 
-// Creates `dir` if needed and writes report.json, report.md and report.svg into it (each through a
-// temporary file and a rename). Errors name the file.
-Status write_report(const std::filesystem::path& dir, const Summary& summary);
+// The files of a report directory, written as one set.
+inline constexpr std::array<std::string_view, 3> kReportFileNames = {"report.json", "report.md",
+                                                                     "report.svg"};
+
+// Writes report.json, report.md and report.svg as one set (write_output_set_dir,
+// core/output_set.h): built beside `dir` and renamed onto it once, so `dir` holds the old report or
+// the new one, never a mix. `dir` must be new or empty, or, with `replace`, hold only report files.
+// Creates the parent directories if needed. Errors name the file.
+Status write_report(const std::filesystem::path& dir, const Summary& summary,
+                    bool replace = false);
 
 }  // namespace e4kv

@@ -192,9 +192,21 @@ bool is_checkpoint_dir(const fs::path& dir) {
   return false;
 }
 
+Status check_not_in_root(const fs::path& path) {
+  fs::path resolved = canonical_or_absolute(path);
+  if (!resolved.has_filename() && resolved.has_relative_path()) resolved = resolved.parent_path();
+  const bool is_root = !resolved.has_relative_path();
+  if (!is_root && resolved.parent_path().has_relative_path()) return ok_status();
+  return Status::error(
+      cat(path.string(), ": ",
+          is_root ? "is the root directory /" : "lies directly in the root directory /",
+          "; e4kv writes nothing into /, give a path inside a directory"));
+}
+
 Status check_output_file(const fs::path& path, const OutputRules& rules) {
   const std::string name = path.string();
   if (path.empty()) return Status::error("an empty output path");
+  E4KV_RETURN_IF_ERROR(check_not_in_root(path));
   if (path.filename().empty() || path.filename() == "." || path.filename() == "..") {
     return Status::error(cat(name, ": names a directory; give a file name"));
   }
@@ -243,6 +255,7 @@ Status check_output_file(const fs::path& path, const OutputRules& rules) {
 Status check_output_dir(const fs::path& path, const OutputRules& rules) {
   const std::string name = path.string();
   if (path.empty()) return Status::error("an empty output path");
+  E4KV_RETURN_IF_ERROR(check_not_in_root(path));
   const fs::path resolved = canonical_or_absolute(path);
   const fs::path parent = resolved.parent_path();
   struct stat st {};

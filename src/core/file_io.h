@@ -5,7 +5,10 @@
 //   - outputs are written to a temporary name in the target's directory, synced, and renamed into
 //     place, so a crash or kill -9 leaves either the old file or the new one under the final name;
 //   - an output may not be one of the command's inputs, may not lie inside a checkpoint directory,
-//     and may not replace an existing file unless the caller says so (the CLI's --force).
+//     and may not replace an existing file unless the caller says so (the CLI's --force);
+//   - nothing is written into the root directory: an output may be neither / itself nor an entry
+//     directly in / (check_not_in_root), whatever the command.
+// Sets of files that must appear together, output locks and the test crash hook: core/output_set.h.
 // Messages name the path and the reason; they never name a CLI flag (the CLI adds it).
 #pragma once
 
@@ -50,6 +53,11 @@ Status check_regular_file(const std::filesystem::path& path);
 // file or model.safetensors.index.json.
 bool is_checkpoint_dir(const std::filesystem::path& dir);
 
+// Refuses `path` when it resolves (symlinks of its existing part followed, "." and ".." folded) to
+// the root directory / or to an entry directly in it: a file there, a directory created there, and
+// the temporary and lock files beside such an output would all be written into /.
+Status check_not_in_root(const std::filesystem::path& path);
+
 struct OutputRules {
   bool force = false;                        // replacing an existing regular file is allowed
   std::vector<std::filesystem::path> inputs;  // files and directories the command reads
@@ -58,16 +66,16 @@ struct OutputRules {
   std::string force_name;
 };
 
-// Whether the file `path` may be written under `rules`. Refused: an existing path that is not a
-// regular file; an existing file unless rules.force; the same file as any input (compared by
-// device and inode, and by canonical path), or a path inside an input directory; a path inside a
-// checkpoint directory (is_checkpoint_dir of its directory or any ancestor). The parent directory
-// must exist.
+// Whether the file `path` may be written under `rules`. Refused: check_not_in_root; an existing
+// path that is not a regular file; an existing file unless rules.force; the same file as any input
+// (compared by device and inode, and by canonical path), or a path inside an input directory; a
+// path inside a checkpoint directory (is_checkpoint_dir of its directory or any ancestor). The
+// parent directory must exist.
 Status check_output_file(const std::filesystem::path& path, const OutputRules& rules);
 
-// Whether the directory `path` may be created and filled under `rules`: it must not exist or be an
-// empty directory; it must not be (or be inside) an input, nor lie inside a checkpoint directory
-// (any ancestor). The parent directory must exist.
+// Whether the directory `path` may be created and filled under `rules`: check_not_in_root; it must
+// not exist or be an empty directory; it must not be (or be inside) an input, nor lie inside a
+// checkpoint directory (any ancestor). The parent directory must exist.
 Status check_output_dir(const std::filesystem::path& path, const OutputRules& rules);
 
 // A fresh, empty temporary directory `.NAME.tmp.PID.N` beside `path`, to be filled and then renamed

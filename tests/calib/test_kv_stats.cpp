@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/half.h"
+#include "testing/files.h"
 
 namespace e4kv {
 namespace {
@@ -396,6 +397,41 @@ TEST(KvStatsFile, MalformedFilesNameFileAndLine) {
   // Blank lines are fine.
   Result<KvStats> with_blank = parse_kv_stats(join(valid_lines()) + "\n\n", "x");
   EXPECT_TRUE(with_blank.ok()) << with_blank.message();
+}
+
+// A calibrate shard's statistics count only beside a run file that records their size and SHA-256
+// (the known digest of "abc", FIPS 180-2).
+TEST(KvStatsFile, CalibrateRunFileMustVouchForTheStatistics) {
+  testing_support::TempDir tmp;
+  const std::filesystem::path stats = tmp.path() / "kv-stats-shard-1-of-2.jsonl";
+  const std::filesystem::path run = tmp.path() / "calibrate-shard-1-of-2.json";
+  EXPECT_EQ(calibrate_stats_name(1, 2), stats.filename().string());
+  EXPECT_EQ(calibrate_run_name(1, 2), run.filename().string());
+  const std::string abc_sha256 = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+  auto message = [&](std::string_view text) {
+    return check_calibrate_run_file(stats, text).message();
+  };
+  EXPECT_NE(message("abc").find("its run file " + run.string() + " is missing"), std::string::npos)
+      << message("abc");
+  EXPECT_NE(message("abc").find("re-run that shard (e4kv calibrate --shard 1/2 --force"),
+            std::string::npos);
+  testing_support::write_text(
+      run, json{{"statistics_bytes", 3}, {"statistics_sha256", abc_sha256}}.dump());
+  EXPECT_TRUE(check_calibrate_run_file(stats, "abc").ok()) << message("abc");
+  EXPECT_NE(message("abd").find("is not the statistics file its run file " + run.string() +
+                                " records (3 bytes, SHA-256 ba7816bf8f01...)"),
+            std::string::npos)
+      << message("abd");
+  EXPECT_NE(message("abcd").find("(4 bytes"), std::string::npos) << message("abcd");
+  testing_support::write_text(run, json{{"statistics_bytes", 3}}.dump());
+  EXPECT_NE(message("abc").find("records no \"statistics_bytes\" and \"statistics_sha256\""),
+            std::string::npos)
+      << message("abc");
+  testing_support::write_text(run, "{oops");
+  EXPECT_NE(message("abc").find(run.string() + ": invalid JSON"), std::string::npos);
+  // Other names are not calibrate's set: synth-stats outputs, copies.
+  EXPECT_TRUE(check_calibrate_run_file(tmp.path() / "stats.jsonl", "abc").ok());
+  EXPECT_TRUE(check_calibrate_run_file(tmp.path() / "kv-stats-shard-x-of-2.jsonl", "abc").ok());
 }
 
 }  // namespace

@@ -8,8 +8,15 @@
 // STATS_DIR gets kv-stats-shard-I-of-N.jsonl (calib/kv_stats.h, the input of `e4kv summarize`) and
 // calibrate-shard-I-of-N.json (what ran: documents, tokens, time). --shard I/N takes every N-th
 // document from the I-th, so N processes (or GPUs) split one corpus; summarize merges the shards.
+// The two files of a shard are one set: the run file is written last and records the statistics
+// file's size and SHA-256, and summarize reads a shard's statistics only when its run file vouches
+// for them (a run killed between the two leaves a set summarize refuses). A shard's set is locked
+// (STATS_DIR/.calibrate-shard-I-of-N.lock, core/output_set.h) for the run's life: a second run of
+// the same shard into the same directory is refused, other shards run beside it.
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +29,8 @@
 #include "calib/kv_stats.h"
 #include "commands.h"
 #include "core/file_io.h"
+#include "core/output_set.h"
+#include "core/sha256.h"
 #include "engine/generate.h"
 #include "io/corpus.h"
 #include "io/generation_config.h"
@@ -88,28 +97,52 @@ Status run_calibrate(const CalibrateArgs& args) {
 
   // Outputs are checked before anything runs: a long calibration must not fail at its end.
   const fs::path out_dir(args.out);
-  const std::string stem = cat("shard-", shard.index, "-of-", shard.count);
-  const fs::path stats_path = out_dir / cat("kv-stats-", stem, ".jsonl");
-  const fs::path run_path = out_dir / cat("calibrate-", stem, ".json");
+  const fs::path stats_path = out_dir / calibrate_stats_name(shard.index, shard.count);
+  const fs::path run_path = out_dir / calibrate_run_name(shard.index, shard.count);
   OutputRules rules;
   rules.force = args.force;
   rules.force_name = "--force";
   rules.inputs = {fs::path(args.model.model_dir), fs::path(args.corpus)};
-  std::error_code ec;
-  if (fs::exists(out_dir, ec)) {
+  auto check_outputs = [&]() -> Status {
+    std::error_code ec;
+    if (!fs::exists(out_dir, ec)) {
+      if (Status st = check_output_dir(out_dir, rules); !st.ok()) {
+        return Status::error(cat("--out: ", st.message()));
+      }
+      return ok_status();
+    }
     if (!fs::is_directory(out_dir, ec)) {
       return Status::error(cat("--out ", args.out, ": exists and is not a directory"));
     }
-  } else {
-    E4KV_RETURN_IF_ERROR(check_output_dir(out_dir, rules));
-  }
-  for (const fs::path& path : {stats_path, run_path}) {
-    if (fs::exists(out_dir, ec)) {
+    for (const fs::path& path : {stats_path, run_path}) {
       if (Status st = check_output_file(path, rules); !st.ok()) {
         return Status::error(cat("--out: ", st.message()));
       }
     }
+    return ok_status();
+  };
+  E4KV_RETURN_IF_ERROR(check_outputs());
+  // One run per shard's file set at a time (other shards may share the directory): the lock lives
+  // in the directory, which is created for it and removed again if the run fails and leaves it
+  // empty.
+  struct CreatedDir {
+    fs::path path;
+    ~CreatedDir() {
+      if (!path.empty()) ::rmdir(path.c_str());  // only when empty: another shard may be in it
+    }
+  } created_dir;
+  if (::mkdir(out_dir.c_str(), 0755) == 0) {
+    created_dir.path = out_dir;
+  } else if (errno != EEXIST) {
+    const int error = errno;
+    return Status::error(cat("--out ", args.out, ": cannot create: ", errno_message(error)));
   }
+  Result<OutputLock> locked = OutputLock::acquire(
+      out_dir / cat(".calibrate-shard-", shard.index, "-of-", shard.count, ".lock"),
+      cat(args.out, " (shard ", shard.index, "/", shard.count, ")"));
+  if (!locked.ok()) return Status::error(cat("--out: ", locked.message()));
+  const OutputLock lock = std::move(locked).value();
+  E4KV_RETURN_IF_ERROR(check_outputs());  // again: another run may have finished meanwhile
 
   E4KV_ASSIGN_OR_RETURN(std::vector<CorpusDocument> all, read_corpus(args.corpus));
   const size_t corpus_documents = all.size();
@@ -209,12 +242,10 @@ Status run_calibrate(const CalibrateArgs& args) {
   const int64_t tokens = prompt_tokens + generated_tokens;
   stats.add_tokens(tokens);
 
-  if (!fs::exists(out_dir, ec)) {
-    std::error_code mk;
-    fs::create_directory(out_dir, mk);
-    if (mk) return Status::error(cat("--out ", args.out, ": cannot create: ", mk.message()));
-  }
-  E4KV_RETURN_IF_ERROR(write_kv_stats(stats_path, stats));
+  // The statistics first, the run file that vouches for them last (calib/kv_stats.h).
+  const std::string stats_text = kv_stats_to_jsonl(stats);
+  E4KV_RETURN_IF_ERROR(write_file_atomic(stats_path, stats_text));
+  crash_point("after-statistics");
   nlohmann::ordered_json run;
   run["model"] = args.model.model_dir;
   run["corpus"] = args.corpus;
@@ -231,7 +262,10 @@ Status run_calibrate(const CalibrateArgs& args) {
   run["seconds"] = seconds;
   run["tokens_per_second"] = seconds > 0 ? double(tokens) / seconds : 0.0;
   run["statistics"] = stats_path.filename().string();
+  run[kRunStatisticsBytesKey] = stats_text.size();
+  run[kRunStatisticsSha256Key] = sha256_hex(stats_text);
   E4KV_RETURN_IF_ERROR(write_file_atomic(run_path, run.dump(1) + "\n"));
+  created_dir.path.clear();
 
   std::printf(
       "calibrated %zu documents of %s (shard %lld/%lld): %lld tokens (%lld prompt, %lld generated) "
@@ -261,7 +295,9 @@ void add_calibrate_command(CLI::App& app, Status& result) {
                   "JSON lines: {\"text\": ...}, {\"token_ids\": [...]} or {\"messages\": [...]}")
       ->required();
   cmd->add_option("--out", args->out,
-                  "Directory for kv-stats-shard-I-of-N.jsonl and calibrate-shard-I-of-N.json")
+                  "Directory for kv-stats-shard-I-of-N.jsonl and calibrate-shard-I-of-N.json; the "
+                  "run file is written last and records the statistics' size and SHA-256, so "
+                  "summarize refuses a shard whose two files do not match (re-run that shard)")
       ->required();
   cmd->add_option("--shard", args->shard,
                   "I/N: this process takes documents I, I+N, I+2N, ... (summarize merges shards)")

@@ -27,6 +27,7 @@
 #include "commands.h"
 #include "core/check.h"
 #include "core/file_io.h"
+#include "core/output_set.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
 #include "io/corpus.h"
@@ -328,21 +329,23 @@ Status run_compare(const CompareArgs& args) {
   if (args.passkey_trials < 1 || args.passkey_trials > 1000) {
     return Status::error(cat("--passkey-trials: expected 1 to 1000, got ", args.passkey_trials));
   }
+  // --out: its three files appear at once (calib/compare.h) and one compare writes it at a time;
+  // checked before anything runs, and again once the lock is held.
+  std::optional<OutputLock> out_lock;
   if (!args.out.empty()) {
     OutputRules rules;
     rules.force = args.force;
     rules.force_name = "--force";
     rules.inputs = {fs::path(args.model.model_dir)};
     if (!args.prompts.empty()) rules.inputs.emplace_back(args.prompts);
-    std::error_code ec;
-    if (!fs::exists(args.out, ec)) {
-      E4KV_RETURN_IF_ERROR(check_output_dir(args.out, rules));
-    } else {
-      for (const char* name : {"compare.json", "compare.md", "compare.svg"}) {
-        if (Status st = check_output_file(fs::path(args.out) / name, rules); !st.ok()) {
-          return Status::error(cat("--out: ", st.message()));
-        }
+    for (int pass = 0; pass < 2; ++pass) {
+      if (Status st = check_output_set_dir(args.out, kCompareFileNames, rules); !st.ok()) {
+        return Status::error(cat("--out: ", st.message()));
       }
+      if (pass == 1) break;
+      Result<OutputLock> lock = OutputLock::acquire(lock_path_for(args.out), args.out);
+      if (!lock.ok()) return Status::error(cat("--out: ", lock.message()));
+      out_lock.emplace(std::move(lock).value());
     }
   }
 
@@ -487,7 +490,7 @@ Status run_compare(const CompareArgs& args) {
   const std::string md = compare_markdown(report);
   std::fwrite(md.data(), 1, md.size(), stdout);
   if (!args.out.empty()) {
-    E4KV_RETURN_IF_ERROR(write_compare_report(args.out, report));
+    E4KV_RETURN_IF_ERROR(write_compare_report(args.out, report, args.force));
     std::printf("\nwrote %s/compare.{json,md,svg}\n", args.out.c_str());
   }
   return ok_status();
@@ -507,7 +510,10 @@ void add_compare_command(CLI::App& app, Status& result) {
       ->capture_default_str();
   cmd->add_flag("--with-unit-control", args->unit_control,
                 "Also run unit-scale E4M3 (the negative control)");
-  cmd->add_option("--out", args->out, "Directory for compare.json, compare.md and compare.svg");
+  cmd->add_option("--out", args->out,
+                  "Directory for compare.json, compare.md and compare.svg, which appear at once "
+                  "(built beside it, then renamed onto it); new or empty, or with --force one "
+                  "holding only those files");
   cmd->add_flag("--force", args->force, "Replace existing compare files in --out");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Teacher-forced rows per forward (each returns every row's logits)")

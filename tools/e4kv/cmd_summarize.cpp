@@ -2,10 +2,14 @@
 //   --report DIR: merges calibration statistics (one file per shard and process) into one fp32
 // K/V scale per KV-cache layer, writes scales.json (the input of `e4kv overlay`) and a report
 // (report.json, report.md, report.svg). Conventions: calib/summarize.h.
+// A calibrate shard's statistics file is read only when its run file records its size and SHA-256
+// (check_calibrate_run_file, calib/kv_stats.h). The report directory appears at once, then
+// scales.json; both are locked against a second summarize (core/output_set.h).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +19,7 @@
 #include "calib/summarize.h"
 #include "commands.h"
 #include "core/file_io.h"
+#include "core/output_set.h"
 #include "core/sha256.h"
 
 namespace e4kv::cli {
@@ -59,7 +64,7 @@ Result<std::vector<std::string>> expand_stats_paths(const std::vector<std::strin
 }
 
 // Every output is checked before anything is read or written: none may be an input, lie inside a
-// checkpoint, or replace a file without --force.
+// checkpoint, or replace a file without --force; the report directory holds its three files only.
 Status check_outputs(const SummarizeArgs& args) {
   OutputRules rules;
   rules.force = args.force;
@@ -69,30 +74,56 @@ Status check_outputs(const SummarizeArgs& args) {
   if (Status out = check_output_file(args.out, rules); !out.ok()) {
     return Status::error(cat("--out: ", out.message()));
   }
-  const std::filesystem::path report(args.report_dir);
-  std::error_code ec;
-  if (!std::filesystem::exists(report, ec)) {
-    if (Status dir = check_output_dir(report, rules); !dir.ok()) {
-      return Status::error(cat("--report: ", dir.message()));
-    }
-    return ok_status();
+  // The report directory is replaced as a whole, so scales.json cannot live inside it.
+  auto resolved = [](const std::string& path) {
+    std::error_code ec;
+    std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+    if (ec) p = std::filesystem::absolute(path, ec).lexically_normal();
+    if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+    return p;
+  };
+  if (resolved(args.out).parent_path() == resolved(args.report_dir)) {
+    return Status::error(cat("--out: ", args.out, ": lies inside the --report directory ",
+                             args.report_dir,
+                             ", which is written as a whole; put scales.json beside it"));
   }
-  for (const char* name : {"report.json", "report.md", "report.svg"}) {
-    if (Status file = check_output_file(report / name, rules); !file.ok()) {
-      return Status::error(cat("--report: ", file.message()));
-    }
+  if (Status report = check_output_set_dir(args.report_dir, kReportFileNames, rules);
+      !report.ok()) {
+    return Status::error(cat("--report: ", report.message()));
   }
   return ok_status();
 }
 
+// One summarize per output at a time: a lock beside scales.json and one beside the report
+// directory (core/output_set.h), held until both are written.
+struct OutputLocks {
+  std::optional<OutputLock> scales;
+  std::optional<OutputLock> report;
+};
+
+Result<OutputLocks> lock_outputs(const SummarizeArgs& args) {
+  OutputLocks locks;
+  Result<OutputLock> scales = OutputLock::acquire(lock_path_for(args.out), args.out);
+  if (!scales.ok()) return Status::error(cat("--out: ", scales.message()));
+  locks.scales.emplace(std::move(scales).value());
+  Result<OutputLock> report = OutputLock::acquire(lock_path_for(args.report_dir), args.report_dir);
+  if (!report.ok()) return Status::error(cat("--report: ", report.message()));
+  locks.report.emplace(std::move(report).value());
+  return locks;
+}
+
 Status run_summarize(const SummarizeArgs& args) {
   E4KV_RETURN_IF_ERROR(check_outputs(args));
+  E4KV_ASSIGN_OR_RETURN(const OutputLocks locks, lock_outputs(args));
+  E4KV_RETURN_IF_ERROR(check_outputs(args));  // again: another run may have finished meanwhile
   SummarizeOptions options;
   E4KV_ASSIGN_OR_RETURN(options.policy, parse_scale_policy(args.policy));
   std::vector<SummaryInput> inputs;
   E4KV_ASSIGN_OR_RETURN(const std::vector<std::string> files, expand_stats_paths(args.stats));
   for (const std::string& path : files) {
     E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
+    // A shard's statistics count only beside the run file that vouches for them (kv_stats.h).
+    E4KV_RETURN_IF_ERROR(check_calibrate_run_file(path, text));
     E4KV_ASSIGN_OR_RETURN(KvStats stats, parse_kv_stats(text, path));
     inputs.push_back({path, sha256_hex(text), std::move(stats)});
   }
@@ -102,8 +133,9 @@ Status run_summarize(const SummarizeArgs& args) {
     options.envelope_path = args.envelope;
   }
   E4KV_ASSIGN_OR_RETURN(const Summary summary, summarize(std::move(inputs), options));
-  E4KV_RETURN_IF_ERROR(write_report(args.report_dir, summary));
-  // scales.json last: it is only there when everything before it worked.
+  // The report appears at once (one rename); scales.json last: it is only there when everything
+  // before it worked.
+  E4KV_RETURN_IF_ERROR(write_report(args.report_dir, summary, args.force));
   E4KV_RETURN_IF_ERROR(write_scales_file(args.out, summary_scales_file(summary)));
 
   const SummaryTotals& totals = summary.totals;
@@ -147,7 +179,9 @@ void add_summarize_command(CLI::App& app, Status& result) {
                   "An earlier scales.json: each scale becomes max(new, old)");
   cmd->add_option("--out", args->out, "scales.json to write")->required();
   cmd->add_option("--report", args->report_dir,
-                  "Directory for report.json, report.md and report.svg (created if needed)")
+                  "Directory for report.json, report.md and report.svg, which appear at once "
+                  "(built beside it, then renamed onto it); new or empty, or with --force one "
+                  "holding only those files")
       ->required();
   cmd->add_flag("--force", args->force,
                 "Replace an existing scales file and report files (never an input or a file in a "
