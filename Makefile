@@ -58,7 +58,7 @@ test-sanitize: setup
 	$(SANITIZER_ENV) ctest --test-dir $(SANITIZE_BUILD) --output-on-failure -j $(JOBS) -LE quality
 
 # The fuzzers (clang + libFuzzer + ASan/UBSan): a bounded run, FUZZ_SECONDS split between the
-# safetensors header target and the config.json target.
+# safetensors header target, the config.json target and the other JSON readers.
 FUZZ_SECONDS ?= 40
 fuzz-smoke: setup
 	cmake -S fuzz -B $(BUILD)-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo

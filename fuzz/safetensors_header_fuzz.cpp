@@ -4,7 +4,7 @@
 //
 // Built a second time with E4KV_FUZZ_SEED_WRITER defined, the same file is a small program that
 // writes the seed corpus (valid files from the writer plus a few hand-built edge cases) to a
-// folder.
+// folder, and the regression inputs too large for a corpus (100,000 levels of nesting) to a second.
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -92,6 +92,11 @@ void write_raw(const fs::path& path, const std::string& header, const std::strin
   std::ofstream(path, std::ios::binary) << image;
 }
 
+// `levels` arrays inside one another: "[[[...]]]".
+std::string nested(size_t levels) {
+  return std::string(levels, '[') + std::string(levels, ']');
+}
+
 bool write(const fs::path& path, const std::vector<e4kv::SafetensorsWriteTensor>& tensors,
            const std::map<std::string, std::string>& metadata = {}) {
   const e4kv::Status status = e4kv::write_safetensors(path, tensors, metadata);
@@ -102,17 +107,18 @@ bool write(const fs::path& path, const std::vector<e4kv::SafetensorsWriteTensor>
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s CORPUS_DIR\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s CORPUS_DIR [REGRESSION_DIR]\n", argv[0]);
     return 2;
   }
   const fs::path dir = argv[1];
-  std::error_code error;
-  fs::create_directories(dir, error);
-  if (error) {
-    std::fprintf(stderr, "seed writer: cannot create %s: %s\n", dir.c_str(),
-                 error.message().c_str());
-    return 1;
+  for (int i = 1; i < argc; ++i) {
+    std::error_code error;
+    fs::create_directories(argv[i], error);
+    if (error) {
+      std::fprintf(stderr, "seed writer: cannot create %s: %s\n", argv[i], error.message().c_str());
+      return 1;
+    }
   }
   using e4kv::DType;
   const std::vector<std::byte> bytes = pattern(256);
@@ -158,6 +164,13 @@ int main(int argc, char** argv) {
             "abcdef");
   write_raw(dir / "seed_trailing.safetensors",
             "{\"a\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]}}", "abcdXY");
+  // Nesting just past the header's limit (16 levels), and far past it.
+  write_raw(dir / "seed_deep.safetensors", "{\"w\":" + nested(20) + "}", "");
+  if (argc == 3) {
+    write_raw(fs::path(argv[2]) / "deep_tensor.safetensors", "{\"w\":" + nested(100'000) + "}", "");
+    write_raw(fs::path(argv[2]) / "deep_metadata.safetensors",
+              "{\"__metadata__\":{\"a\":" + nested(100'000) + "}}", "");
+  }
   return ok ? 0 : 1;
 }
 

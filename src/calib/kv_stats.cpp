@@ -15,7 +15,7 @@
 
 #include "core/file_io.h"
 #include "core/half.h"
-#include "core/json_error.h"
+#include "core/json.h"
 #include "core/sha256.h"
 
 namespace e4kv {
@@ -116,20 +116,6 @@ std::string kv_stats_to_jsonl(const KvStats& stats) {
 
 namespace {
 
-// "parse error at line 1, column 5: syntax error while parsing value - invalid literal; last
-// read: ..." -> "syntax error while parsing value - invalid literal".
-std::string json_error_reason(const json::parse_error& e) {
-  std::string text = e.what();
-  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
-  if (size_t pos = text.find("column "); pos != std::string::npos) {
-    if (size_t colon = text.find(": ", pos); colon != std::string::npos) {
-      text = text.substr(colon + 2);
-    }
-  }
-  return text;
-}
-
 class LineParser {
  public:
   LineParser(const std::string& source, int64_t line) : where_(cat(source, ":", line, ": ")) {}
@@ -146,20 +132,21 @@ class LineParser {
   Result<int64_t> count_value(const json& value, const std::string& what) const {
     if (value.is_number_unsigned()) {
       if (value.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) {
-        return error(cat(what, " is too large: ", value.dump()));
+        return error(cat(what, " is too large: ", json_excerpt(value)));
       }
       return int64_t(value.get<uint64_t>());
     }
     if (value.is_number_integer()) {
-      return error(cat(what, " must not be negative, got ", value.dump()));
+      return error(cat(what, " must not be negative, got ", json_excerpt(value)));
     }
-    return error(cat(what, " must be a non-negative integer, got ", value.dump()));
+    return error(cat(what, " must be a non-negative integer, got ", json_excerpt(value)));
   }
 
   Result<std::string> string(const json& object, const char* field) const {
     auto it = object.find(field);
     if (it == object.end()) return error(cat("missing field \"", field, "\""));
-    if (!it->is_string()) return error(cat("\"", field, "\" must be a string, got ", it->dump()));
+    if (!it->is_string())
+      return error(cat("\"", field, "\" must be a string, got ", json_excerpt(*it)));
     return it->get<std::string>();
   }
 
@@ -175,17 +162,18 @@ Result<KvStatsHeader> parse_header(const json& root, const LineParser& p) {
                        "\" (is this an e4kv statistics file?)"));
   }
   if (!format->is_string() || format->get<std::string>() != kKvStatsFormat) {
-    return p.error(cat("unsupported format ", format->dump(), "; expected \"", kKvStatsFormat,
-                       "\" (written by a different e4kv version?)"));
+    return p.error(cat("unsupported format ", json_excerpt(*format), "; expected \"",
+                       kKvStatsFormat, "\" (written by a different e4kv version?)"));
   }
   auto geometry = root.find("histogram");
   if (geometry == root.end() || !geometry->is_object() ||
       geometry->value("min_log2", json()) != json(kKvHistMinLog2) ||
       geometry->value("max_log2", json()) != json(kKvHistMaxLog2) ||
       geometry->value("bins_per_octave", json()) != json(kKvHistBinsPerOctave)) {
-    return p.error(cat("\"histogram\" must be {\"min_log2\": ", kKvHistMinLog2, ", \"max_log2\": ",
-                       kKvHistMaxLog2, ", \"bins_per_octave\": ", kKvHistBinsPerOctave, "}, got ",
-                       geometry == root.end() ? std::string("nothing") : geometry->dump()));
+    return p.error(cat(
+        "\"histogram\" must be {\"min_log2\": ", kKvHistMinLog2, ", \"max_log2\": ", kKvHistMaxLog2,
+        ", \"bins_per_octave\": ", kKvHistBinsPerOctave, "}, got ",
+        geometry == root.end() ? std::string("nothing") : json_excerpt(*geometry, 120)));
   }
   KvStatsHeader h;
   E4KV_ASSIGN_OR_RETURN(h.model, p.string(root, "model"));
@@ -242,9 +230,9 @@ Status parse_record(const json& root, const LineParser& p, KvStats& stats,
   if (auto key = root.find("key"); key != root.end()) {
     const std::string expected = stats.key_at(index);
     if (!key->is_string() || key->get<std::string>() != expected) {
-      return p.error(cat("\"key\" ", key->dump(), " does not match layer ", layer, " ", tensor_text,
-                         " under prefix \"", stats.header().prefix, "\" (expected \"", expected,
-                         "\")"));
+      return p.error(cat("\"key\" ", json_excerpt(*key, 120), " does not match layer ", layer, " ",
+                         tensor_text, " under prefix \"", stats.header().prefix, "\" (expected \"",
+                         expected, "\")"));
     }
   }
   E4KV_ASSIGN_OR_RETURN(const int64_t count, p.count(root, "count"));
@@ -260,7 +248,7 @@ Status parse_record(const json& root, const LineParser& p, KvStats& stats,
   const float absmax = float(absmax_d);
   if (!std::isfinite(absmax_d) || absmax_d < 0.0 || double(absmax) != absmax_d) {
     return p.error(
-        cat("\"absmax\" must be a finite non-negative fp32 value, got ", absmax_it->dump()));
+        cat("\"absmax\" must be a finite non-negative fp32 value, got ", json_excerpt(*absmax_it)));
   }
   auto hist_it = root.find("hist");
   if (hist_it == root.end() || !hist_it->is_array()) {
@@ -320,14 +308,7 @@ Result<KvStats> parse_kv_stats(std::string_view text, const std::string& source)
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     const LineParser p(source, line_no);
-    json root;
-    try {
-      root = json::parse(line.begin(), line.end());
-    } catch (const json::parse_error& e) {
-      return p.error(cat("invalid JSON at column ", e.byte, ": ", json_error_reason(e)));
-    } catch (const json::exception& e) {
-      return p.error(cat("invalid JSON: ", json_exception_reason(e)));
-    }
+    E4KV_ASSIGN_OR_RETURN(const json root, parse_json(line, cat(source, ":", line_no)));
     if (!stats) {
       E4KV_ASSIGN_OR_RETURN(KvStatsHeader header, parse_header(root, p));
       stats.emplace(std::move(header));
@@ -411,13 +392,12 @@ Status check_calibrate_run_file(const std::filesystem::path& stats_path, std::st
                              " is missing, so the calibrate run that wrote it did not finish",
                              rerun));
   }
-  json run;
-  try {
-    run = json::parse(*run_text);
-  } catch (const json::exception& e) {
-    return Status::error(cat(run_path.string(), ": invalid JSON (", json_exception_reason(e),
-                             "), so it cannot vouch for ", stats_path.string(), rerun));
+  Result<json> parsed = parse_json(*run_text, run_path.string());
+  if (!parsed.ok()) {
+    return Status::error(cat(parsed.message(), "; so it cannot vouch for ", stats_path.string(),
+                             rerun));
   }
+  const json run = std::move(parsed).value();
   const auto bytes = run.is_object() ? run.find(kRunStatisticsBytesKey) : run.end();
   const auto sha = run.is_object() ? run.find(kRunStatisticsSha256Key) : run.end();
   if (!run.is_object() || bytes == run.end() || !bytes->is_number_unsigned() ||

@@ -23,7 +23,7 @@
 
 #include "calib/scales_file.h"
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 #include "core/output_set.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
@@ -793,12 +793,7 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   const uint64_t scale_bytes = 4 * entries.size();
   if (sharded) {
     E4KV_ASSIGN_OR_RETURN(std::string text, read_file(base / kSafetensorsIndexName));
-    try {
-      index = OrderedJson::parse(text);
-    } catch (const OrderedJson::exception& e) {
-      return Status::error(cat((base / kSafetensorsIndexName).string(), ": invalid JSON: ",
-                               json_exception_reason(e)));
-    }
+    E4KV_ASSIGN_OR_RETURN(index, parse_ordered_json(text, (base / kSafetensorsIndexName).string()));
     for (const auto& [name, shard] : index["weight_map"].items()) {
       if (embedded.count(name) == 0) weight_map[name] = shard;
     }
@@ -840,7 +835,8 @@ Result<OverlayResult> make_overlay(const OverlayOptions& options) {
   } else {
     provenance["scales_file"] = {{"path", scales_abs.string()}, {"sha256", scales_sha256}};
   }
-  provenance["source"] = OrderedJson::parse(scales_file.source_json);
+  E4KV_ASSIGN_OR_RETURN(provenance["source"],
+                        parse_ordered_json(scales_file.source_json, "the scales' source object"));
   OrderedJson scale_values = OrderedJson::object();
   for (const auto& [key, value] : entries) scale_values[key] = json_number_for(value);
   provenance["scales"] = std::move(scale_values);

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 #include "kv/scale_gate.h"
 #include "kv/scale_keys.h"
 
@@ -23,13 +23,6 @@ namespace {
 
 using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
-
-std::string parse_error_text(const Json::parse_error& e) {
-  std::string text = e.what();
-  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
-  return text;
-}
 
 // The double whose shortest decimal form reads back as `value` both as a double and (through a
 // double, as JSON readers do) as an fp32: the shortest fp32 digits when that round trip is exact,
@@ -67,36 +60,25 @@ Status check_scale_value(const std::string& source, const std::string& key, floa
 }  // namespace
 
 Result<ScalesFile> parse_scales_file(std::string_view json_text, const std::string& source) {
-  // nlohmann keeps only the last of duplicate keys; the callback sees every key so a repeated one
+  // nlohmann keeps only the last of duplicate keys; the check sees every key so a repeated one
   // is an error instead of a silently dropped scale.
-  std::vector<std::set<std::string>> open_objects;
-  std::optional<std::string> duplicate_key;
-  auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+  std::vector<std::set<std::string, std::less<>>> open_objects;
+  auto no_duplicate_keys = [&](int /*depth*/, Json::parse_event_t event,
+                               const Json& parsed) -> Status {
     if (event == Json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == Json::parse_event_t::object_end) {
       if (!open_objects.empty()) open_objects.pop_back();
     } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
-      const std::string key = parsed.get<std::string>();
-      if (!open_objects.back().insert(key).second && !duplicate_key) duplicate_key = key;
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!open_objects.back().insert(key).second) {
+        return Status::error(cat(source, ": key ", json_excerpt(parsed, 120),
+                                 " appears twice in one object; keep exactly one"));
+      }
     }
-    return true;
+    return ok_status();
   };
-  Json root;
-  try {
-    root = Json::parse(json_text.begin(), json_text.end(), callback);
-  } catch (const Json::parse_error& e) {
-    return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
-  } catch (const Json::exception& e) {
-    // e.g. out_of_range.406 "number overflow parsing '1e999'"
-    std::string text = e.what();
-    if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-    return Status::error(cat(source, ": invalid JSON: ", text));
-  }
-  if (duplicate_key) {
-    return Status::error(cat(source, ": key \"", *duplicate_key,
-                             "\" appears twice in one object; keep exactly one"));
-  }
+  E4KV_ASSIGN_OR_RETURN(const Json root, parse_json(json_text, source, {}, no_duplicate_keys));
   if (!root.is_object()) {
     return Status::error(cat(
         source, ": expected a JSON object with \"format\" and \"scales\", got ", root.type_name()));
@@ -107,7 +89,7 @@ Result<ScalesFile> parse_scales_file(std::string_view json_text, const std::stri
         cat(source, ": required field \"format\" is missing; expected \"", kScalesFormat, "\""));
   }
   if (!format->is_string() || format->get<std::string>() != kScalesFormat) {
-    return Status::error(cat(source, ": \"format\" is ", format->dump(), "; expected \"",
+    return Status::error(cat(source, ": \"format\" is ", json_excerpt(*format), "; expected \"",
                              kScalesFormat, "\" (a file written by e4kv summarize)"));
   }
 
@@ -195,16 +177,9 @@ Status write_scales_file(const std::filesystem::path& path, const ScalesFile& fi
   }
   std::sort(keys.begin(), keys.end(), scale_key_less);
 
-  OrderedJson source_object;
-  try {
-    source_object = OrderedJson::parse(file.source_json.empty() ? "{}" : file.source_json);
-  } catch (const OrderedJson::parse_error& e) {
-    return Status::error(
-        cat(target, ": cannot write: the source object is not valid JSON: ", parse_error_text(e)));
-  } catch (const OrderedJson::exception& e) {
-    return Status::error(cat(target, ": cannot write: the source object is not valid JSON: ",
-                             json_exception_reason(e)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const OrderedJson source_object,
+                        parse_ordered_json(file.source_json.empty() ? "{}" : file.source_json,
+                                           cat(target, ": cannot write: the source object")));
   if (!source_object.is_object()) {
     return Status::error(cat(target, ": cannot write: the source must be a JSON object, got ",
                              source_object.type_name()));

@@ -14,7 +14,7 @@
 
 #include "calib/scales_file.h"
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 #include "core/sha256.h"
 #include "io/checkpoint.h"
 #include "kv/scale_keys.h"
@@ -110,16 +110,12 @@ Status read_digest_and_size(const Json& object, const std::string& where,
 Result<Provenance> read_provenance(const fs::path& path) {
   const std::string source = path.string();
   E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
-  Json root;
-  try {
-    root = Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    return Status::error(cat(source, ": invalid JSON at byte ", e.byte,
-                             "; the provenance was damaged, re-create the overlay"));
-  } catch (const Json::exception& e) {
-    return Status::error(cat(source, ": invalid JSON (", json_exception_reason(e),
-                             "); the provenance was damaged, re-create the overlay"));
+  Result<Json> parsed = parse_json(text, source);
+  if (!parsed.ok()) {
+    return Status::error(
+        cat(parsed.message(), "; the provenance was damaged, re-create the overlay"));
   }
+  const Json root = std::move(parsed).value();
   if (!root.is_object()) return Status::error(cat(source, ": expected a JSON object"));
   E4KV_ASSIGN_OR_RETURN(std::string format, string_field(root, "format", source));
   if (format != kProvenanceFormat) {
@@ -240,19 +236,13 @@ std::optional<std::string> regular_file_problem(const fs::path& path, const std:
 // A JSON file the overlay wrote or recorded (the provenance's digest binds the base's index).
 Result<Json> read_json_file(const fs::path& path) {
   E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
-  try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {
-    return Status::error(cat(path.string(), ": invalid JSON (", json_exception_reason(e), ")"));
-  }
+  return parse_json(text, path.string());
 }
 
 // At most 60 characters of a JSON value for a message; "absent" for none.
 std::string json_text(const Json* value) {
   if (value == nullptr) return "absent";
-  std::string text = value->dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return text;
+  return json_excerpt(*value, 60);
 }
 
 // The scales shard's tensors against the provenance's "scales": the same keys and, bit for bit,

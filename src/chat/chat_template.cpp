@@ -1,7 +1,7 @@
 #include "chat/chat_template.h"
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 
 namespace e4kv {
 namespace {
@@ -16,12 +16,7 @@ constexpr std::string_view kNoTemplateAdvice =
 Result<std::optional<ordered_json>> read_json_object(const std::filesystem::path& path) {
   E4KV_ASSIGN_OR_RETURN(std::optional<std::string> text, read_optional_file(path));
   if (!text) return std::optional<ordered_json>();
-  ordered_json root;
-  try {
-    root = ordered_json::parse(*text);
-  } catch (const ordered_json::exception& e) {
-    return Status::error(cat(path.string(), ": not valid JSON (", json_exception_reason(e), ")"));
-  }
+  E4KV_ASSIGN_OR_RETURN(ordered_json root, parse_ordered_json(*text, path.string()));
   if (!root.is_object()) return Status::error(cat(path.string(), ": not a JSON object"));
   return std::optional<ordered_json>(std::move(root));
 }
@@ -38,7 +33,7 @@ Result<std::optional<std::string>> special_token(const ordered_json& config,
   }
   return Status::error(cat(path.string(), ": \"", key,
                            "\" must be a string or an object with a string \"content\", got ",
-                           it->dump()));
+                           json_excerpt(*it)));
 }
 
 // The template in a "chat_template" value: a string, or a list of {"name", "template"}.

@@ -18,6 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json.h"
+
 namespace e4kv::jinja {
 
 // An error raised while lexing, parsing or rendering: the 1-based template line (0 when unknown)
@@ -100,7 +102,7 @@ class Value {
 
   // JSON in: null, bool, integer (unsigned above int64 becomes a float), float, string, array,
   // object (order kept). Refuses nesting deeper than kMaxJsonDepth.
-  static constexpr int kMaxJsonDepth = 256;
+  static constexpr int kMaxJsonDepth = ::e4kv::kMaxJsonDepth;
   static Value from_json(const nlohmann::ordered_json& json, int depth = 0);
   // JSON out; refuses undefined, namespaces, loops and callables (throws TemplateError, line 0).
   nlohmann::ordered_json to_json() const;

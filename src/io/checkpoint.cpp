@@ -7,22 +7,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 
 namespace e4kv {
 namespace {
 
 using ordered_json = nlohmann::ordered_json;
-
-// nlohmann's what() reads "[json.exception.parse_error.101] parse error at line 3, column 5:
-// syntax error ...; last read: '<input>'". Keep the position and the reason; drop the echoed
-// input, which may hold raw bytes or line breaks.
-std::string parse_error_text(const nlohmann::json::parse_error& e) {
-  std::string text = e.what();
-  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
-  return text;
-}
 
 // A shard named by the index must be a plain file name inside the checkpoint directory.
 bool is_plain_file_name(std::string_view name) {
@@ -44,14 +34,7 @@ struct IndexEntry {
 Result<std::vector<IndexEntry>> parse_index(const std::filesystem::path& path) {
   const std::string source = path.string();
   E4KV_ASSIGN_OR_RETURN(std::string text, read_file(path));
-  ordered_json root;
-  try {
-    root = ordered_json::parse(text);
-  } catch (const ordered_json::parse_error& e) {
-    return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
-  } catch (const ordered_json::exception& e) {
-    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const ordered_json root, parse_ordered_json(text, source));
   if (!root.is_object()) {
     return Status::error(
         cat(source, ": expected a JSON object with \"weight_map\", got ", root.type_name()));

@@ -3,7 +3,7 @@
 #include <charconv>
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 
 namespace e4kv {
 namespace {
@@ -42,7 +42,7 @@ Result<CorpusDocument> parse_document(const json& value, const std::string& sour
       const json& id = (*ids)[i];
       if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
         return line_error(source, line,
-                          cat("\"token_ids\"[", i, "] is ", id.dump(),
+                          cat("\"token_ids\"[", i, "] is ", json_excerpt(id),
                               "; expected an integer token id >= 0"));
       }
       doc.token_ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
@@ -79,12 +79,7 @@ Result<std::vector<CorpusDocument>> parse_corpus(std::string_view text, const st
     ++line;
     if (!row.empty() && row.back() == '\r') row.remove_suffix(1);
     if (row.find_first_not_of(" \t") == std::string_view::npos) continue;
-    json value;
-    try {
-      value = json::parse(row);
-    } catch (const std::exception& e) {
-      return line_error(source, line, cat("invalid JSON: ", json_exception_reason(e)));
-    }
+    E4KV_ASSIGN_OR_RETURN(const json value, parse_ordered_json(row, cat(source, ":", line)));
     E4KV_ASSIGN_OR_RETURN(CorpusDocument doc, parse_document(value, source, line));
     documents.push_back(std::move(doc));
   }

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
+#include "core/json.h"
 
 namespace e4kv {
 namespace {
@@ -22,7 +23,7 @@ Status add_ids(const json& value, const std::string& where, std::vector<int32_t>
     if (!entry.is_number_integer() || entry.get<int64_t>() < 0 ||
         entry.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
       return Status::error(
-          cat(where, " must be a token id or a list of token ids, got ", value.dump()));
+          cat(where, " must be a token id or a list of token ids, got ", json_excerpt(value)));
     }
     ids.push_back(static_cast<int32_t>(entry.get<int64_t>()));
   }
@@ -35,8 +36,8 @@ Status read_file_ids(const std::filesystem::path& path, bool required, std::vect
     if (required) return Status::error(cat(path.string(), ": file not found"));
     return ok_status();
   }
-  const json root = json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) {
+  E4KV_ASSIGN_OR_RETURN(const json root, parse_json(*text, path.string()));
+  if (!root.is_object()) {
     return Status::error(cat(path.string(), ": not a valid JSON object"));
   }
   if (root.contains("eos_token_id")) {

@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 
 namespace e4kv {
 namespace {
@@ -26,9 +26,7 @@ constexpr int64_t kMaxLayers = 100000;
 constexpr int64_t kQwen4ExpDefaultInterval = 4;
 
 std::string describe(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 48) text = text.substr(0, 45) + "...";
-  return cat(value.type_name(), " ", text);
+  return cat(value.type_name(), " ", json_excerpt(value, 48));
 }
 
 bool is_qwen4exp_family(std::string_view model_type) {
@@ -143,17 +141,6 @@ class Fields {
   const std::string& source_;
   std::string prefix_;
 };
-
-// nlohmann's what() reads "[json.exception.parse_error.101] parse error at line 3, column 5:
-// syntax error ...; last read: '<input>'". Keep the position and the reason; drop the echoed
-// input, which may hold raw bytes or line breaks.
-std::string parse_error_text(const nlohmann::json::parse_error& e) {
-  std::string text = e.what();
-  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
-  return text;
-}
-
 
 // Fills `rope` from one rope-parameter object (v5 "rope_parameters" or v4 "rope_scaling").
 Status read_rope_fields(const Fields& fields, RopeConfig& rope) {
@@ -308,7 +295,7 @@ Status read_layer_kinds(const Fields& text, bool qwen4exp, ModelConfig& config) 
       Result<LayerKind> kind = parse_layer_type(entry.get<std::string>(), qwen4exp);
       if (!kind.ok()) {
         return text.error("layer_types",
-                          cat("entry ", i, " is the unknown layer type ", entry.dump(),
+                          cat("entry ", i, " is the unknown layer type ", json_excerpt(entry, 80),
                               "; expected full_attention, sliding_attention, linear_attention or "
                               "qwen_sparse_attention"));
       }
@@ -650,15 +637,7 @@ std::vector<int64_t> ModelConfig::kv_cache_layers() const {
 }
 
 Result<ModelConfig> parse_model_config(std::string_view json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::parse_error& e) {
-    return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
-  } catch (const json::exception& e) {
-    // e.g. a number beyond double's range: "number overflow parsing '1e400'"
-    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const json root, parse_json(json_text, source));
   return parse_config_object(root, source);
 }
 

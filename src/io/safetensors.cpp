@@ -23,6 +23,8 @@
 #include <tuple>
 #include <utility>
 
+#include "core/json.h"
+
 namespace e4kv {
 namespace {
 
@@ -30,8 +32,8 @@ using Json = nlohmann::json;
 
 constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr size_t kLengthFieldBytes = 8;
-// A valid header nests three levels below the root ({name: {"shape": [dim]}}); anything far deeper
-// is not a safetensors header, and refusing it early bounds the work the JSON parser does.
+// A valid header nests three levels of objects and arrays ({name: {"shape": [dim]}}); anything far
+// deeper is not a safetensors header, and refusing it early bounds the work the JSON parser does.
 constexpr int kMaxHeaderDepth = 16;
 // Names and values quoted in error messages are cut to this many bytes so a message stays readable.
 constexpr size_t kMaxQuotedBytes = 200;
@@ -109,11 +111,7 @@ std::string quote(std::string_view text) {
 
 // A JSON value as text for a message, cut like quote().
 std::string brief_dump(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > kMaxQuotedBytes) {
-    text = cat(text.substr(0, kMaxQuotedBytes), "... (", text.size(), " bytes)");
-  }
-  return text;
+  return json_excerpt(value, kMaxQuotedBytes);
 }
 
 std::string format_shape(const std::vector<int64_t>& shape) {
@@ -175,11 +173,6 @@ void append_le64(std::string& out, uint64_t value) {
   for (int i = 0; i < 8; ++i) out += static_cast<char>((value >> (8 * i)) & 0xFF);
 }
 
-// Thrown from the JSON parser callback to stop parsing; never escapes this file.
-struct HeaderError {
-  std::string message;
-};
-
 // Parses the header JSON, rejecting duplicate keys in any object and absurd nesting. The caller
 // has checked that `text` is UTF-8.
 Result<Json> parse_header_json(std::string_view text, const std::string& source) {
@@ -187,11 +180,7 @@ Result<Json> parse_header_json(std::string_view text, const std::string& source)
   // plus the tensor name owning the innermost depth-1 value, for messages.
   std::vector<std::set<std::string, std::less<>>> open_keys;
   std::string top_level_key;
-  auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) -> bool {
-    if (depth > kMaxHeaderDepth) {
-      throw HeaderError{cat(source, ": header nests deeper than ", kMaxHeaderDepth,
-                            " levels; a safetensors header nests 3")};
-    }
+  auto no_duplicate_keys = [&](int depth, Json::parse_event_t event, const Json& parsed) -> Status {
     switch (event) {
       case Json::parse_event_t::object_start:
       case Json::parse_event_t::array_start:
@@ -206,17 +195,17 @@ Result<Json> parse_header_json(std::string_view text, const std::string& source)
         if (open_keys.empty()) break;
         if (!open_keys.back().insert(key).second) {
           if (depth == 1 && key == kMetadataKey) {
-            throw HeaderError{cat(source, ": header has more than one \"__metadata__\" entry")};
+            return Status::error(cat(source, ": header has more than one \"__metadata__\" entry"));
           }
           if (depth == 1) {
-            throw HeaderError{cat(source, ": duplicate tensor name ", quote(key),
-                                  " in the header (each name must appear once)")};
+            return Status::error(cat(source, ": duplicate tensor name ", quote(key),
+                                     " in the header (each name must appear once)"));
           }
-          throw HeaderError{cat(source, ": ",
-                                top_level_key == kMetadataKey
-                                    ? std::string("__metadata__")
-                                    : cat("tensor ", quote(top_level_key)),
-                                ": duplicate key ", quote(key))};
+          return Status::error(cat(source, ": ",
+                                   top_level_key == kMetadataKey
+                                       ? std::string("__metadata__")
+                                       : cat("tensor ", quote(top_level_key)),
+                                   ": duplicate key ", quote(key)));
         }
         if (depth == 1) top_level_key = key;
         break;
@@ -224,26 +213,10 @@ Result<Json> parse_header_json(std::string_view text, const std::string& source)
       case Json::parse_event_t::value:
         break;
     }
-    return true;
+    return ok_status();
   };
-  try {
-    return Json::parse(text.data(), text.data() + text.size(), callback,
-                       /*allow_exceptions=*/true, /*ignore_comments=*/false);
-  } catch (const HeaderError& error) {
-    return Status::error(error.message);
-  } catch (const Json::exception& error) {
-    // nlohmann prefixes "[json.exception.parse_error.101] "; the rest says where and what.
-    std::string_view what = error.what();
-    if (auto close = what.find("] "); what.starts_with("[json.exception") && close != what.npos) {
-      what.remove_prefix(close + 2);
-    }
-    std::string detail(what.substr(0, 400));
-    if (what.size() > detail.size()) detail += "...";
-    std::replace(detail.begin(), detail.end(), '\n', ' ');
-    return Status::error(cat(source, ": header is not valid JSON: ", detail));
-  } catch (const std::exception& error) {
-    return Status::error(cat(source, ": cannot parse the header: ", error.what()));
-  }
+  return parse_json(text, cat(source, ": header"), JsonLimits{.max_depth = kMaxHeaderDepth},
+                    no_duplicate_keys);
 }
 
 // A non-negative JSON integer, or nullopt (negative, fractional, not a number, or beyond uint64).

@@ -28,7 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/file_io.h"
-#include "core/json_error.h"
+#include "core/json.h"
 #include "core/utf8.h"
 
 namespace e4kv {
@@ -1156,18 +1156,7 @@ namespace {
 // ---- tokenizer.json reading ---------------------------------------------------------------------
 
 std::string describe(const json& value) {
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (text.size() > 48) text = text.substr(0, 45) + "...";
-  return cat(value.type_name(), " ", text);
-}
-
-// nlohmann's what() reads "[json.exception.parse_error.101] parse error at line 3, column 5:
-// syntax error ...; last read: '<input>'". Keep the position and the reason; drop the echoed input.
-std::string parse_error_text(const json::parse_error& e) {
-  std::string text = e.what();
-  if (size_t pos = text.find("] "); pos != std::string::npos) text = text.substr(pos + 2);
-  if (size_t pos = text.find("; last read:"); pos != std::string::npos) text.resize(pos);
-  return text;
+  return cat(value.type_name(), " ", json_excerpt(value, 48));
 }
 
 // One JSON value of a file and its path in it ("pre_tokenizer.pretokenizers[1].type"); errors
@@ -1868,14 +1857,7 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Result<Tokenizer> Tokenizer::from_json(std::string_view json_text, const std::string& source) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    return Status::error(cat(source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
-  } catch (const json::exception& e) {
-    return Status::error(cat(source, ": invalid JSON: ", json_exception_reason(e)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const json root, parse_json(json_text, source));
   auto impl = std::make_unique<TokenizerImpl>();
   impl->source = source;
   E4KV_RETURN_IF_ERROR(impl->load(root));
@@ -1904,15 +1886,7 @@ Result<Tokenizer> Tokenizer::from_model_dir(const std::filesystem::path& model_d
   if (!config_or) return tokenizer;
   const std::string& config_text = *config_or;
   const std::string config_source = config_path.string();
-  json config;
-  try {
-    config = json::parse(config_text);
-  } catch (const json::parse_error& e) {
-    return Status::error(
-        cat(config_source, ": invalid JSON at byte ", e.byte, ": ", parse_error_text(e)));
-  } catch (const json::exception& e) {
-    return Status::error(cat(config_source, ": invalid JSON: ", json_exception_reason(e)));
-  }
+  E4KV_ASSIGN_OR_RETURN(const json config, parse_json(config_text, config_source));
   const Node top(&config, &config_source, "");
   E4KV_RETURN_IF_ERROR(top.require_object());
   TokenizerImpl& impl = *tokenizer.impl_;

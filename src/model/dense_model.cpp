@@ -11,6 +11,7 @@
 
 #include "core/checked.h"
 #include "core/file_io.h"
+#include "core/json.h"
 #include "kv/block_allocator.h"
 #include "model/probe.h"
 #include "model/qwen4exp_model.h"
@@ -36,18 +37,19 @@ using json = nlohmann::json;
 Status check_dense_extras(const Checkpoint& ckpt) {
   const std::filesystem::path path = ckpt.dir() / "config.json";
   E4KV_ASSIGN_OR_RETURN(const std::string text, read_file(path));
-  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  E4KV_ASSIGN_OR_RETURN(const json root, parse_json(text, path.string()));
   if (!root.is_object()) return Status::error(cat(path.string(), ": not a JSON object"));
   const json* object = &root;
-  if (root.contains("text_config") && root["text_config"].is_object()) {
-    object = &root["text_config"];
+  if (const auto text_config = root.find("text_config");
+      text_config != root.end() && text_config->is_object()) {
+    object = &*text_config;
   }
   for (const char* key : {"hidden_act", "hidden_activation"}) {
     auto it = object->find(key);
     if (it == object->end() || it->is_null()) continue;
     if (!it->is_string() || it->get<std::string>() != "silu") {
       return Status::error(
-          cat(path.string(), ": \"", key, "\" is ", it->dump(),
+          cat(path.string(), ": \"", key, "\" is ", json_excerpt(*it),
               "; the dense runtime implements the SiLU-gated MLP (\"silu\") only"));
     }
   }

@@ -205,7 +205,7 @@ TEST(ChatTemplateLoad, RefusesMalformedConfigs) {
   write_text(dir.path() / "tokenizer_config.json", "{not json");
   Result<ChatTemplate> bad_json = ChatTemplate::load(dir.path());
   ASSERT_FALSE(bad_json.ok());
-  EXPECT_NE(bad_json.message().find("tokenizer_config.json: not valid JSON"), std::string::npos)
+  EXPECT_NE(bad_json.message().find("tokenizer_config.json: invalid JSON"), std::string::npos)
       << bad_json.message();
 
   write_text(dir.path() / "tokenizer_config.json", R"({"chat_template": 7})");
