@@ -55,6 +55,7 @@ struct CompareArgs {
   std::string depths = "0,50,100";
   int64_t passkey_trials = 1;
   bool isolated = false;
+  bool special_tokens_in_content = false;
 };
 
 // What one forward of the FP16 model showed its probe (with capture_inputs, also every attention
@@ -332,7 +333,7 @@ Status run_compare(const CompareArgs& args) {
 
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(args.model.model_dir));
   const int64_t vocab = ckpt.config().vocab_size;
-  PromptSource source{fs::path(args.model.model_dir)};
+  PromptSource source{fs::path(args.model.model_dir), args.special_tokens_in_content};
   std::vector<std::vector<int32_t>> prompts;
   if (!args.prompts.empty()) {
     E4KV_ASSIGN_OR_RETURN(const std::vector<CorpusDocument> docs, read_corpus(args.prompts));
@@ -469,6 +470,8 @@ void add_compare_command(CLI::App& app, Status& result) {
   cmd->add_flag("--with-unit-control", args->unit_control,
                 "Also run unit-scale E4M3 (the negative control)");
   cmd->add_option("--out", args->out, "Directory for compare.json, compare.md and compare.svg");
+  cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
+                kSpecialTokensInContentHelp);
   cmd->add_flag("--force", args->force, "Replace existing compare files in --out");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Teacher-forced rows per forward (each returns every row's logits)")
