@@ -134,6 +134,12 @@ Result<ChatTemplate> ChatTemplate::from_source(std::string source,
 
 Result<std::string> ChatTemplate::render(const ordered_json& messages,
                                          const ChatRenderOptions& options) const {
+  E4KV_ASSIGN_OR_RETURN(RenderedPrompt prompt, render_tracked(messages, options));
+  return std::move(prompt.text);
+}
+
+Result<RenderedPrompt> ChatTemplate::render_tracked(const ordered_json& messages,
+                                                    const ChatRenderOptions& options) const {
   if (!messages.is_array()) {
     return Status::option_error(
         "messages", cat("must be a JSON array of message objects, got ", messages.type_name()));
@@ -152,13 +158,15 @@ Result<std::string> ChatTemplate::render(const ordered_json& messages,
     return Status::option_error("extra", cat("must be a JSON object of template variables, got ",
                                              options.extra.type_name()));
   }
-  ordered_json context = ordered_json::object();
-  context["messages"] = messages;
-  context["tools"] = options.tools ? *options.tools : ordered_json(nullptr);
-  context["documents"] = nullptr;
-  context["add_generation_prompt"] = options.add_generation_prompt;
-  if (bos_token_) context["bos_token"] = *bos_token_;
-  if (eos_token_) context["eos_token"] = *eos_token_;
+  // The checkpoint's tokens are trusted; everything the caller passes is not.
+  ordered_json trusted = ordered_json::object();
+  trusted["documents"] = nullptr;
+  trusted["add_generation_prompt"] = options.add_generation_prompt;
+  if (bos_token_) trusted["bos_token"] = *bos_token_;
+  if (eos_token_) trusted["eos_token"] = *eos_token_;
+  ordered_json untrusted = ordered_json::object();
+  untrusted["messages"] = messages;
+  untrusted["tools"] = options.tools ? *options.tools : ordered_json(nullptr);
   for (const auto& [key, value] : options.extra.items()) {
     if (key == "messages" || key == "tools" || key == "documents" ||
         key == "add_generation_prompt") {
@@ -166,9 +174,15 @@ Result<std::string> ChatTemplate::render(const ordered_json& messages,
                                                "\" is set by its own option, not as an "
                                                "extra template variable"));
     }
-    context[key] = value;
+    // An extra variable replaces a token of the checkpoint of the same name, as it does in
+    // transformers; then it is the caller's.
+    trusted.erase(key);
+    untrusted[key] = value;
   }
-  return engine_.render(context, options.limits);
+  E4KV_ASSIGN_OR_RETURN(RenderedPrompt prompt,
+                        engine_.render_tracked(trusted, untrusted, options.limits));
+  if (options.special_tokens_in_content) prompt.untrusted.clear();
+  return prompt;
 }
 
 }  // namespace e4kv

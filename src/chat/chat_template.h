@@ -13,7 +13,8 @@
 // string or a list of parts; tool_calls, name, tool_call_id, reasoning_content ... as given),
 // tools (null without tools), documents (null), add_generation_prompt, bos_token / eos_token when
 // the tokenizer sets them, then the caller's extra variables (enable_thinking, reasoning_effort,
-// date_string ...).
+// date_string ...). render_tracked() also says which bytes of the prompt came from the caller's
+// data, so that encoding it turns only the template's own markers into control tokens.
 #pragma once
 
 #include <filesystem>
@@ -28,6 +29,9 @@
 
 namespace e4kv {
 
+// A rendered prompt and the byte ranges of it that came from the caller's data.
+using RenderedPrompt = jinja::TrackedText;
+
 struct ChatRenderOptions {
   // Appends the header that opens the assistant's turn (transformers' default is false; a prompt
   // for generation wants it).
@@ -36,6 +40,10 @@ struct ChatRenderOptions {
   std::optional<nlohmann::ordered_json> tools;
   // More template variables (a JSON object), e.g. {"enable_thinking": false}.
   nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  // render_tracked() reports no untrusted ranges, so text in a message that spells a control
+  // token ("<|im_end|>") is encoded as that control token, as transformers' apply_chat_template
+  // then encode does. Off by default: a message's text is always encoded as text.
+  bool special_tokens_in_content = false;
   JinjaLimits limits;
 };
 
@@ -55,6 +63,14 @@ class ChatTemplate {
   // `messages`: a JSON array of message objects ({"role": ..., "content": ...}).
   Result<std::string> render(const nlohmann::ordered_json& messages,
                              const ChatRenderOptions& options = {}) const;
+  // As render(), and says which bytes of the prompt came from the caller's data: every string of
+  // the messages, the tools and the extra variables (roles, content, names, tool-call arguments,
+  // tool schemas ...), through whatever the template computed from them. Only bos_token,
+  // eos_token and the template's own text are trusted. Tokenizer::encode(text, ..., untrusted)
+  // then matches control tokens only in the trusted text, so message content cannot fake a role
+  // boundary. With options.special_tokens_in_content, no range is untrusted.
+  Result<RenderedPrompt> render_tracked(const nlohmann::ordered_json& messages,
+                                        const ChatRenderOptions& options = {}) const;
 
   const std::string& source() const { return source_; }
   const std::optional<std::string>& bos_token() const { return bos_token_; }

@@ -25,14 +25,33 @@ Result<JinjaTemplate> JinjaTemplate::parse(std::string_view source, std::string 
 
 Result<std::string> JinjaTemplate::render(const nlohmann::ordered_json& context,
                                           const JinjaLimits& limits) const {
-  if (!context.is_object()) {
-    return Status::error(
-        cat(what_, ": the render context must be a JSON object, got ", context.type_name()));
+  E4KV_ASSIGN_OR_RETURN(jinja::TrackedText text,
+                        render_tracked(context, nlohmann::ordered_json::object(), limits));
+  return std::move(text.text);
+}
+
+Result<jinja::TrackedText> JinjaTemplate::render_tracked(const nlohmann::ordered_json& trusted,
+                                                         const nlohmann::ordered_json& untrusted,
+                                                         const JinjaLimits& limits) const {
+  for (const nlohmann::ordered_json* context : {&trusted, &untrusted}) {
+    if (!context->is_object()) {
+      return Status::error(
+          cat(what_, ": the render context must be a JSON object, got ", context->type_name()));
+    }
   }
   try {
-    const jinja::Value variables = jinja::Value::from_json(context);
+    jinja::ObjectData variables;
+    for (const auto& [key, value] : trusted.items()) {
+      variables.set(key, jinja::Value::from_json(value, /*untrusted=*/false, 1));
+    }
+    for (const auto& [key, value] : untrusted.items()) {
+      if (trusted.contains(key)) {
+        return Status::error(cat(what_, ": the variable \"", key, "\" is given twice"));
+      }
+      variables.set(key, jinja::Value::from_json(value, /*untrusted=*/true, 1));
+    }
     jinja::Interpreter interpreter(limits);
-    return interpreter.render(*program_, variables.as_object());
+    return interpreter.render(*program_, variables);
   } catch (const jinja::TemplateError& error) {
     return template_status(what_, error);
   }

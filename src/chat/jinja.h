@@ -47,6 +47,12 @@ class JinjaTemplate {
   // Renders with the members of `context` (a JSON object) as the template's variables.
   Result<std::string> render(const nlohmann::ordered_json& context,
                              const JinjaLimits& limits = {}) const;
+  // Renders with the members of `trusted` and `untrusted` (JSON objects, no name in both) as the
+  // variables, and tells which bytes of the text came from the strings of `untrusted` (see
+  // jinja::ByteRanges; jinja_interpreter.h says how they are carried through the template).
+  Result<jinja::TrackedText> render_tracked(const nlohmann::ordered_json& trusted,
+                                            const nlohmann::ordered_json& untrusted,
+                                            const JinjaLimits& limits = {}) const;
 
  private:
   JinjaTemplate(std::shared_ptr<const jinja::Program> program, std::string what)

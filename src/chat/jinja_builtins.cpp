@@ -458,13 +458,20 @@ std::vector<Value> iterate(const Value& value, int line) {
       return value.as_array().items;
     case Value::Kind::object: {
       std::vector<Value> keys;
-      for (const auto& [k, v] : value.as_object().entries) keys.push_back(Value::string(k));
+      const bool untrusted = value.as_object().untrusted_keys;
+      for (const auto& [k, v] : value.as_object().entries) {
+        keys.push_back(untrusted ? Value::untrusted_string(k) : Value::string(k));
+      }
       return keys;
     }
     case Value::Kind::string: {
       std::vector<Value> chars;
-      for (std::string_view c : utf8_chars(value.as_string()))
-        chars.push_back(Value::string(std::string(c)));
+      const std::string& text = value.as_string();
+      for (std::string_view c : utf8_chars(text)) {
+        const size_t begin = static_cast<size_t>(c.data() - text.data());
+        chars.push_back(Value::string(
+            std::string(c), slice_ranges(value.untrusted_ranges(), begin, begin + c.size())));
+      }
       return chars;
     }
     case Value::Kind::undefined:  // Jinja2's default Undefined iterates as empty
@@ -472,6 +479,15 @@ std::vector<Value> iterate(const Value& value, int line) {
     default:
       fail(line, cat("'", value.type_name(), "' object is not iterable"));
   }
+}
+
+// `text` stripped as strip_text strips it, keeping the untrusted ranges of what is left.
+Value strip_tracked(const TrackedText& text, const std::string* chars, bool left, bool right) {
+  std::string kept = strip_text(text.text, chars, left, right);
+  const size_t begin =
+      left ? text.text.size() - strip_text(text.text, chars, true, false).size() : 0;
+  ByteRanges untrusted = slice_ranges(text.untrusted, begin, begin + kept.size());
+  return Value::string(std::move(kept), std::move(untrusted));
 }
 
 // ---- Attributes, items and methods --------------------------------------------------------------
@@ -499,9 +515,19 @@ bool contains(const std::string_view (&names)[N], std::string_view name) {
   return std::find(std::begin(names), std::end(names), name) != std::end(names);
 }
 
+// Methods whose result keeps track of its untrusted ranges itself: those that return the
+// receiver, parts of it or an argument unchanged, or a bool or a number.
+constexpr std::string_view kTrackedMethods[] = {
+    "get",        "values",   "copy",    "count",   "index",        "strip",
+    "lstrip",     "rstrip",   "join",    "find",    "rfind",        "rindex",
+    "startswith", "endswith", "isdigit", "isalpha", "isdecimal",    "isnumeric",
+    "isalnum",    "isspace",  "islower", "isupper", "removeprefix", "removesuffix"};
+
 Value bound_method(const Value& receiver, const std::string& name) {
   return Value::callable(name, [receiver, name](Interpreter& in, const CallArgs& args) {
-    return in.call_method(receiver, name, args);
+    const bool inputs_untrusted = holds_untrusted(receiver) || args_hold_untrusted(args);
+    return track_builtin_result(in.call_method(receiver, name, args), inputs_untrusted,
+                                contains(kTrackedMethods, name));
   });
 }
 
@@ -581,7 +607,10 @@ Value Interpreter::get_item(const Value& object, const Value& key, int line) {
     const auto n = static_cast<int64_t>(chars.size());
     if (index < 0) index += n;
     if (index < 0 || index >= n) return Value::undefined();
-    return Value::string(std::string(chars[static_cast<size_t>(index)]));
+    const std::string_view c = chars[static_cast<size_t>(index)];
+    const size_t begin = static_cast<size_t>(c.data() - object.as_string().data());
+    return Value::string(std::string(c),
+                         slice_ranges(object.untrusted_ranges(), begin, begin + c.size()));
   }
   if (object.is_undefined()) return Value::undefined(object.undefined_name());
   return Value::undefined();
@@ -646,8 +675,8 @@ Value Interpreter::call_method(const Value& receiver, const std::string& name,
   };
   if (name == "strip" || name == "lstrip" || name == "rstrip") {
     args.expect(cat("str.", name), 1, {});
-    return Value::string(
-        strip_text(text, optional_string(0, ""), name != "rstrip", name != "lstrip"));
+    return strip_tracked(TrackedText{text, receiver.untrusted_ranges()}, optional_string(0, ""),
+                         name != "rstrip", name != "lstrip");
   }
   if (name == "split" || name == "rsplit") {
     args.expect(cat("str.", name), 2, {"sep", "maxsplit"});
@@ -728,15 +757,15 @@ Value Interpreter::call_method(const Value& receiver, const std::string& name,
   if (name == "join") {
     args.expect("str.join", 1, {});
     if (args.positional.empty()) fail(line, "str.join() takes exactly one argument");
-    std::string out;
+    TrackedText out;
     bool first = true;
     for (const Value& item : iterate(args.positional[0], line)) {
-      if (!first) out += text;
+      if (!first) out.append(text, receiver.untrusted_ranges());
       first = false;
-      out += expect_string(item, "str.join() item", line);
+      out.append(expect_string(item, "str.join() item", line), item.untrusted_ranges());
+      check_size(out.text.size(), line);
     }
-    check_size(out.size(), line);
-    return Value::string(std::move(out));
+    return Value::string(std::move(out.text), std::move(out.untrusted));
   }
   if (name == "format") {
     const std::string out = python_format(text, args);
@@ -765,10 +794,14 @@ Value Interpreter::call_method(const Value& receiver, const std::string& name,
     if (args.positional.empty()) fail(line, cat("str.", name, "() takes exactly one argument"));
     const std::string& affix =
         expect_string(args.positional[0], cat("str.", name, "() argument"), line);
-    if (name == "removeprefix" && text.starts_with(affix))
-      return Value::string(text.substr(affix.size()));
+    const ByteRanges& untrusted = receiver.untrusted_ranges();
+    if (name == "removeprefix" && text.starts_with(affix)) {
+      return Value::string(text.substr(affix.size()),
+                           slice_ranges(untrusted, affix.size(), text.size()));
+    }
     if (name == "removesuffix" && !affix.empty() && text.ends_with(affix)) {
-      return Value::string(text.substr(0, text.size() - affix.size()));
+      const size_t end = text.size() - affix.size();
+      return Value::string(text.substr(0, end), slice_ranges(untrusted, 0, end));
     }
     return receiver;
   }
@@ -776,6 +809,29 @@ Value Interpreter::call_method(const Value& receiver, const std::string& name,
 }
 
 // ---- Filters ------------------------------------------------------------------------------------
+
+namespace {
+
+// Filters whose result keeps track of its untrusted ranges itself (an operand or argument passed
+// through, parts of them, or a number) ...
+constexpr std::string_view kTrackedFilters[] = {"safe", "default", "d",        "string", "trim",
+                                                "join", "length",  "count",    "int",    "float",
+                                                "abs",  "round",   "wordcount"};
+// ... and those that do so unless the operand is a string (whose items are new strings).
+constexpr std::string_view kPassThroughFilters[] = {
+    "first", "last", "list",   "reverse", "sort",       "unique",    "min",
+    "max",   "attr", "select", "reject",  "selectattr", "rejectattr"};
+
+}  // namespace
+
+Value Interpreter::apply_tracked_filter(std::string_view name, const Value& operand,
+                                        const CallArgs& args) {
+  const bool inputs_untrusted = holds_untrusted(operand) || args_hold_untrusted(args);
+  const bool tracked = contains(kTrackedFilters, name) ||
+                       (contains(kPassThroughFilters, name) && !operand.is_string()) ||
+                       (name == "map" && args.keyword_arg("attribute") != nullptr);
+  return track_builtin_result(apply_filter(name, operand, args), inputs_untrusted, tracked);
+}
 
 Value Interpreter::apply_filter(std::string_view name, const Value& value, const CallArgs& args) {
   const int line = args.line;
@@ -827,7 +883,9 @@ Value Interpreter::apply_filter(std::string_view name, const Value& value, const
   }
   if (name == "string") {
     args.expect(what, 0, {});
-    return value.is_string() ? value : Value::string(to_str(value));
+    if (value.is_string()) return value;
+    TrackedText text = to_tracked_str(value);
+    return Value::string(std::move(text.text), std::move(text.untrusted));
   }
   if (name == "length" || name == "count") {
     args.expect(what, 0, {});
@@ -849,7 +907,7 @@ Value Interpreter::apply_filter(std::string_view name, const Value& value, const
     const Value* chars = args.get(0, "chars");
     const std::string* set =
         chars && !chars->is_none() ? &expect_string(*chars, "trim chars", line) : nullptr;
-    return Value::string(strip_text(to_str(value), set, true, true));
+    return strip_tracked(to_tracked_str(value), set, true, true);
   }
   if (name == "upper" || name == "lower" || name == "capitalize" || name == "title") {
     args.expect(what, 0, {});
@@ -1042,18 +1100,18 @@ Value Interpreter::apply_filter(std::string_view name, const Value& value, const
     args.expect(what, 2, {"d", "attribute"});
     const Value* separator = args.get(0, "d");
     const Value* attribute = args.get(1, "attribute");
-    const std::string sep = separator ? to_str(*separator) : "";
-    std::string out;
+    const TrackedText sep = separator ? to_tracked_str(*separator) : TrackedText{};
+    TrackedText out;
     bool first = true;
     for (const Value& item : iterate(value, line)) {
-      if (!first) out += sep;
+      if (!first) out.append(sep);
       first = false;
-      out += to_str(attribute && !attribute->is_none()
-                        ? resolve_path(*this, item, to_str(*attribute), line)
-                        : item);
-      check_size(out.size(), line);
+      out.append(to_tracked_str(attribute && !attribute->is_none()
+                                    ? resolve_path(*this, item, to_str(*attribute), line)
+                                    : item));
+      check_size(out.text.size(), line);
     }
-    return Value::string(std::move(out));
+    return Value::string(std::move(out.text), std::move(out.untrusted));
   }
   if (name == "sort" || name == "unique" || name == "min" || name == "max") {
     const bool is_sort = name == "sort";

@@ -40,14 +40,29 @@ void Interpreter::check_size(size_t bytes, int line) const {
   }
 }
 
-void Interpreter::append(std::string& out, std::string_view text, int line) const {
-  check_size(out.size() + text.size(), line);
+void Interpreter::append(TrackedText& out, const TrackedText& text, int line) const {
+  check_size(out.text.size() + text.text.size(), line);
   out.append(text);
+}
+
+bool args_hold_untrusted(const CallArgs& args) {
+  for (const Value& v : args.positional) {
+    if (holds_untrusted(v)) return true;
+  }
+  for (const auto& [k, v] : args.keyword) {
+    if (holds_untrusted(v)) return true;
+  }
+  return false;
+}
+
+Value track_builtin_result(Value result, bool inputs_untrusted, bool tracked) {
+  if (!inputs_untrusted || tracked) return result;
+  return mark_untrusted(result);
 }
 
 // ---- Statements ---------------------------------------------------------------------------------
 
-std::string Interpreter::render(const Program& program, const ObjectData& context) {
+TrackedText Interpreter::render(const Program& program, const ObjectData& context) {
   auto globals = std::make_shared<Scope>();
   add_globals(*globals);
   auto variables = std::make_shared<Scope>();
@@ -55,13 +70,13 @@ std::string Interpreter::render(const Program& program, const ObjectData& contex
   for (const auto& [k, v] : context.entries) variables->set(k, v);
   auto root = std::make_shared<Scope>();
   root->parent = variables;
-  std::string out;
+  TrackedText out;
   render_body(program.body, root, out);
   return out;
 }
 
 Interpreter::Flow Interpreter::render_body(const Body& body, const ScopePtr& scope,
-                                           std::string& out) {
+                                           TrackedText& out) {
   for (const Node& node : body) {
     const Flow flow = render_node(node, scope, out);
     if (flow != Flow::normal) return flow;
@@ -70,13 +85,13 @@ Interpreter::Flow Interpreter::render_body(const Body& body, const ScopePtr& sco
 }
 
 Interpreter::Flow Interpreter::render_node(const Node& node, const ScopePtr& scope,
-                                           std::string& out) {
+                                           TrackedText& out) {
   switch (node.kind) {
     case Node::Kind::text:
-      append(out, node.text, node.line);
+      append(out, TrackedText{node.text, {}}, node.line);
       return Flow::normal;
     case Node::Kind::output:
-      append(out, to_str(eval(*node.expr, scope)), node.line);
+      append(out, to_tracked_str(eval(*node.expr, scope)), node.line);
       return Flow::normal;
     case Node::Kind::if_:
       return render_body(eval(*node.expr, scope).truthy() ? node.body : node.else_body, scope, out);
@@ -87,9 +102,9 @@ Interpreter::Flow Interpreter::render_node(const Node& node, const ScopePtr& sco
       assign(*node.target, eval(*node.expr, scope), scope, node.line);
       return Flow::normal;
     case Node::Kind::set_block: {
-      std::string text;
+      TrackedText text;
       render_body(node.body, scope, text);
-      Value value = Value::string(std::move(text));
+      Value value = Value::string(std::move(text.text), std::move(text.untrusted));
       if (node.expr) value = eval_filter(*node.expr, scope, &value);
       assign(*node.target, std::move(value), scope, node.line);
       return Flow::normal;
@@ -98,10 +113,10 @@ Interpreter::Flow Interpreter::render_node(const Node& node, const ScopePtr& sco
       scope->set(node.name, define_macro(node, scope));
       return Flow::normal;
     case Node::Kind::filter_block: {
-      std::string text;
+      TrackedText text;
       const Flow flow = render_body(node.body, scope, text);
-      const Value body_value = Value::string(std::move(text));
-      append(out, to_str(eval_filter(*node.expr, scope, &body_value)), node.line);
+      const Value body_value = Value::string(std::move(text.text), std::move(text.untrusted));
+      append(out, to_tracked_str(eval_filter(*node.expr, scope, &body_value)), node.line);
       return flow;
     }
     case Node::Kind::break_:
@@ -112,7 +127,7 @@ Interpreter::Flow Interpreter::render_node(const Node& node, const ScopePtr& sco
   return Flow::normal;
 }
 
-void Interpreter::render_for(const Node& node, const ScopePtr& scope, std::string& out) {
+void Interpreter::render_for(const Node& node, const ScopePtr& scope, TrackedText& out) {
   const Value iterable = eval(*node.expr, scope);
   // As in Jinja2, each iteration starts from a fresh scope: what the body assigns is gone at the
   // next iteration and after the loop.
@@ -238,10 +253,10 @@ Value Interpreter::define_macro(const Node& node, const ScopePtr& scope) {
       frame->set(params[i], macro->defaults[i] ? in.eval(*macro->defaults[i], frame)
                                                : Value::undefined(params[i]));
     }
-    std::string text;
+    TrackedText text;
     in.render_body(macro->body, frame, text);
     --in.call_depth_;
-    return Value::string(std::move(text));
+    return Value::string(std::move(text.text), std::move(text.untrusted));
   });
 }
 
@@ -263,7 +278,7 @@ Value Interpreter::eval_filter(const Expr& expr, const ScopePtr& scope,
                         : expr.a->kind == Expr::Kind::filter
                             ? eval_filter(*expr.a, scope, block_operand)
                             : eval(*expr.a, scope);
-  return apply_filter(expr.name, operand, eval_args(expr, scope));
+  return apply_tracked_filter(expr.name, operand, eval_args(expr, scope));
 }
 
 Value Interpreter::call(const Expr& expr, const ScopePtr& scope) {
@@ -306,6 +321,7 @@ Value Interpreter::eval(const Expr& expr, const ScopePtr& scope) {
           fail(expr.line, cat("unsupported dict key of type ", key.type_name(),
                               " (only string keys are supported)"));
         }
+        if (!key.untrusted_ranges().empty()) data.untrusted_keys = true;
         data.set(key.as_string(), eval(*expr.items[i + 1], scope));
       }
       return Value::object(std::move(data));
@@ -381,9 +397,14 @@ Value Interpreter::eval(const Expr& expr, const ScopePtr& scope) {
         picks.push_back(static_cast<size_t>(i));
       }
       if (object.is_string()) {
-        std::string text;
-        for (size_t i : picks) text.append(chars[i]);
-        return Value::string(std::move(text));
+        const std::string& whole = object.as_string();
+        const ByteRanges& untrusted = object.untrusted_ranges();
+        TrackedText text;
+        for (size_t i : picks) {
+          const size_t begin = static_cast<size_t>(chars[i].data() - whole.data());
+          text.append(chars[i], slice_ranges(untrusted, begin, begin + chars[i].size()));
+        }
+        return Value::string(std::move(text.text), std::move(text.untrusted));
       }
       std::vector<Value> items;
       items.reserve(picks.size());
@@ -453,10 +474,10 @@ Value Interpreter::eval_binary(const Expr& expr, const ScopePtr& scope) {
     return Value::boolean(found == (op == "in"));
   }
   if (op == "~") {
-    std::string text = to_str(left);
-    text += to_str(right);
-    check_size(text.size(), line);
-    return Value::string(std::move(text));
+    TrackedText text = to_tracked_str(left);
+    text.append(to_tracked_str(right));
+    check_size(text.text.size(), line);
+    return Value::string(std::move(text.text), std::move(text.untrusted));
   }
   if (left.is_undefined()) fail_undefined(left, line);
   if (right.is_undefined()) fail_undefined(right, line);
@@ -525,7 +546,9 @@ Value Interpreter::eval_binary(const Expr& expr, const ScopePtr& scope) {
   if (op == "+") {
     if (left.is_string() && right.is_string()) {
       check_size(left.as_string().size() + right.as_string().size(), line);
-      return Value::string(left.as_string() + right.as_string());
+      TrackedText text{left.as_string(), left.untrusted_ranges()};
+      text.append(right.as_string(), right.untrusted_ranges());
+      return Value::string(std::move(text.text), std::move(text.untrusted));
     }
     if (left.is_array() && right.is_array()) {
       std::vector<Value> items = left.as_array().items;
@@ -551,9 +574,10 @@ Value Interpreter::eval_binary(const Expr& expr, const ScopePtr& scope) {
         check_size(limits_.max_output_bytes + 1, line);
       }
       if (sequence->is_string()) {
-        std::string text;
-        for (int64_t i = 0; i < n; ++i) text += sequence->as_string();
-        return Value::string(std::move(text));
+        TrackedText text;
+        for (int64_t i = 0; i < n; ++i)
+          text.append(sequence->as_string(), sequence->untrusted_ranges());
+        return Value::string(std::move(text.text), std::move(text.untrusted));
       }
       std::vector<Value> items;
       for (int64_t i = 0; i < n; ++i) {

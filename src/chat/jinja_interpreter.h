@@ -35,8 +35,11 @@ class Interpreter {
  public:
   explicit Interpreter(RenderLimits limits) : limits_(limits) {}
 
-  // Renders `program` with `context` as its variables (on top of the builtin globals).
-  std::string render(const Program& program, const ObjectData& context);
+  // Renders `program` with `context` as its variables (on top of the builtin globals). The result
+  // says which of its bytes came from the context's untrusted strings (see ByteRanges): text the
+  // template writes itself is trusted; a string computed by a builtin from untrusted input is
+  // untrusted as a whole unless the builtin keeps track (concatenation, slicing, strip, join).
+  TrackedText render(const Program& program, const ObjectData& context);
 
   Value eval(const Expr& expr, const ScopePtr& scope);
 
@@ -56,16 +59,18 @@ class Interpreter {
  private:
   enum class Flow { normal, break_loop, continue_loop };
 
-  Flow render_body(const Body& body, const ScopePtr& scope, std::string& out);
-  Flow render_node(const Node& node, const ScopePtr& scope, std::string& out);
-  void render_for(const Node& node, const ScopePtr& scope, std::string& out);
+  Flow render_body(const Body& body, const ScopePtr& scope, TrackedText& out);
+  Flow render_node(const Node& node, const ScopePtr& scope, TrackedText& out);
+  void render_for(const Node& node, const ScopePtr& scope, TrackedText& out);
   void assign(const Expr& target, Value value, const ScopePtr& scope, int line);
   Value define_macro(const Node& node, const ScopePtr& scope);
   Value call(const Expr& expr, const ScopePtr& scope);
   Value eval_binary(const Expr& expr, const ScopePtr& scope);
   Value eval_filter(const Expr& expr, const ScopePtr& scope, const Value* block_operand);
   CallArgs eval_args(const Expr& expr, const ScopePtr& scope);
-  void append(std::string& out, std::string_view text, int line) const;
+  // Applies filter `name` and marks its result untrusted when its inputs were (see render()).
+  Value apply_tracked_filter(std::string_view name, const Value& operand, const CallArgs& args);
+  void append(TrackedText& out, const TrackedText& text, int line) const;
 
   RenderLimits limits_;
   std::vector<ScopePtr> macro_scopes_;  // scopes macros were defined in (see define_macro)
@@ -74,6 +79,11 @@ class Interpreter {
 };
 
 // Helpers shared by the interpreter and the builtins.
+// Whether any argument of `args` holds untrusted strings (holds_untrusted).
+bool args_hold_untrusted(const CallArgs& args);
+// The result of a builtin given `inputs_untrusted` inputs: marked untrusted throughout unless the
+// builtin keeps track of the ranges itself (`tracked`).
+Value track_builtin_result(Value result, bool inputs_untrusted, bool tracked);
 // The items a for loop or a filter walks: a list's items, a dict's keys, a string's characters,
 // nothing for undefined; refuses other values.
 std::vector<Value> iterate(const Value& value, int line);

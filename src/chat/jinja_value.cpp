@@ -15,6 +15,55 @@ void fail(int line, std::string message) {
   throw TemplateError{line, std::move(message)};
 }
 
+// ---- Caller's-data ranges ----------------------------------------------------------------------
+
+void add_range(ByteRanges& ranges, size_t begin, size_t end) {
+  if (begin >= end) return;
+  // Ranges arrive mostly in order (appending text): merge with the last one when they touch.
+  if (ranges.empty() || ranges.back().second < begin) {
+    ranges.emplace_back(begin, end);
+    return;
+  }
+  if (ranges.back().first <= begin) {
+    ranges.back().second = std::max(ranges.back().second, end);
+    return;
+  }
+  ranges.emplace_back(begin, end);
+  std::sort(ranges.begin(), ranges.end());
+  ByteRanges merged;
+  for (const auto& [b, e] : ranges) {
+    if (!merged.empty() && merged.back().second >= b) {
+      merged.back().second = std::max(merged.back().second, e);
+    } else {
+      merged.emplace_back(b, e);
+    }
+  }
+  ranges = std::move(merged);
+}
+
+ByteRanges slice_ranges(const ByteRanges& ranges, size_t begin, size_t end) {
+  ByteRanges out;
+  for (const auto& [b, e] : ranges) {
+    const size_t from = std::max(b, begin);
+    const size_t to = std::min(e, end);
+    if (from < to) out.emplace_back(from - begin, to - begin);
+  }
+  return out;
+}
+
+bool overlaps(const ByteRanges& ranges, size_t begin, size_t end) {
+  for (const auto& [b, e] : ranges) {
+    if (b < end && begin < e) return true;
+  }
+  return false;
+}
+
+void TrackedText::append(std::string_view more, const ByteRanges& more_untrusted) {
+  const size_t offset = text.size();
+  text.append(more);
+  for (const auto& [b, e] : more_untrusted) add_range(untrusted, offset + b, offset + e);
+}
+
 // ---- Containers and arguments -------------------------------------------------------------------
 
 const Value* ObjectData::find(std::string_view key) const {
@@ -81,8 +130,13 @@ Value Value::integer(int64_t v) {
 Value Value::floating(double v) {
   return Value(v);
 }
-Value Value::string(std::string v) {
-  return Value(std::move(v));
+Value Value::string(std::string v, ByteRanges untrusted) {
+  return Value(StringData{std::move(v), std::move(untrusted)});
+}
+Value Value::untrusted_string(std::string v) {
+  ByteRanges untrusted;
+  add_range(untrusted, 0, v.size());
+  return string(std::move(v), std::move(untrusted));
 }
 Value Value::array(std::vector<Value> items, bool is_tuple) {
   return Value(std::make_shared<const ArrayData>(ArrayData{std::move(items), is_tuple}));
@@ -100,7 +154,7 @@ Value Value::callable(std::string name, std::function<Value(Interpreter&, const 
   return Value(std::make_shared<const Callable>(Callable{std::move(name), std::move(call)}));
 }
 
-Value Value::from_json(const nlohmann::ordered_json& json, int depth) {
+Value Value::from_json(const nlohmann::ordered_json& json, bool untrusted, int depth) {
   if (depth > kMaxJsonDepth)
     fail(0, cat("the JSON input nests deeper than ", kMaxJsonDepth, " levels"));
   switch (json.type()) {
@@ -120,18 +174,20 @@ Value Value::from_json(const nlohmann::ordered_json& json, int depth) {
     case nlohmann::ordered_json::value_t::number_float:
       return floating(json.get<double>());
     case nlohmann::ordered_json::value_t::string:
-      return string(json.get<std::string>());
+      return untrusted ? untrusted_string(json.get<std::string>())
+                       : string(json.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(json.size());
-      for (const auto& item : json) items.push_back(from_json(item, depth + 1));
+      for (const auto& item : json) items.push_back(from_json(item, untrusted, depth + 1));
       return array(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
       ObjectData data;
+      data.untrusted_keys = untrusted;
       data.entries.reserve(json.size());
       for (const auto& [key, item] : json.items())
-        data.entries.emplace_back(key, from_json(item, depth + 1));
+        data.entries.emplace_back(key, from_json(item, untrusted, depth + 1));
       return object(std::move(data));
     }
     default:  // binary, discarded
@@ -391,6 +447,61 @@ std::string to_repr(const Value& value) {
       return "Undefined";
     default:
       return to_str(value);
+  }
+}
+
+TrackedText to_tracked_str(const Value& value) {
+  if (value.is_string()) return TrackedText{value.as_string(), value.untrusted_ranges()};
+  TrackedText out{to_str(value), {}};
+  if (holds_untrusted(value)) add_range(out.untrusted, 0, out.text.size());
+  return out;
+}
+
+bool holds_untrusted(const Value& value) {
+  auto object_holds = [](const ObjectData& data) {
+    if (data.untrusted_keys && !data.entries.empty()) return true;
+    for (const auto& [k, v] : data.entries) {
+      if (holds_untrusted(v)) return true;
+    }
+    return false;
+  };
+  switch (value.kind()) {
+    case Value::Kind::string:
+      return !value.untrusted_ranges().empty();
+    case Value::Kind::array:
+      for (const Value& item : value.as_array().items) {
+        if (holds_untrusted(item)) return true;
+      }
+      return false;
+    case Value::Kind::object:
+      return object_holds(value.as_object());
+    case Value::Kind::ns:
+      return object_holds(value.namespace_data());
+    default:
+      return false;
+  }
+}
+
+Value mark_untrusted(const Value& value) {
+  switch (value.kind()) {
+    case Value::Kind::string:
+      return Value::untrusted_string(value.as_string());
+    case Value::Kind::array: {
+      std::vector<Value> items;
+      items.reserve(value.as_array().items.size());
+      for (const Value& item : value.as_array().items) items.push_back(mark_untrusted(item));
+      return Value::array(std::move(items), value.as_array().is_tuple);
+    }
+    case Value::Kind::object: {
+      ObjectData data;
+      data.untrusted_keys = true;
+      data.entries.reserve(value.as_object().entries.size());
+      for (const auto& [k, v] : value.as_object().entries)
+        data.entries.emplace_back(k, mark_untrusted(v));
+      return Value::object(std::move(data));
+    }
+    default:  // a namespace is shared by reference and only ever holds what was assigned to it
+      return value;
   }
 }
 

@@ -34,6 +34,28 @@ struct TemplateError {
 class Value;
 class Interpreter;
 
+// Byte ranges [begin, end) of a string that came from the caller's data (message content, tool
+// definitions, any string of the render context that is not the checkpoint's own) rather than from
+// the template. Sorted, disjoint and not touching. The tokenizer matches control tokens only
+// outside them, so text a user wrote cannot become a role boundary.
+using ByteRanges = std::vector<std::pair<size_t, size_t>>;
+
+// Text with the ranges in it that came from the caller's data.
+struct TrackedText {
+  std::string text;
+  ByteRanges untrusted;
+
+  void append(std::string_view more, const ByteRanges& more_untrusted = {});
+  void append(const TrackedText& more) { append(more.text, more.untrusted); }
+};
+
+// Adds [begin, end) to `ranges` (kept sorted, disjoint, not touching); empty ranges are ignored.
+void add_range(ByteRanges& ranges, size_t begin, size_t end);
+// The part of `ranges` inside [begin, end), shifted to start at 0.
+ByteRanges slice_ranges(const ByteRanges& ranges, size_t begin, size_t end);
+// Whether [begin, end) overlaps one of `ranges`.
+bool overlaps(const ByteRanges& ranges, size_t begin, size_t end);
+
 struct ArrayData {
   std::vector<Value> items;
   bool is_tuple = false;  // printed as (a, b) instead of [a, b]
@@ -41,6 +63,7 @@ struct ArrayData {
 
 struct ObjectData {
   std::vector<std::pair<std::string, Value>> entries;  // insertion order
+  bool untrusted_keys = false;  // the keys came from the caller's data (see ByteRanges)
   const Value* find(std::string_view key) const;
   Value* find(std::string_view key);
   void set(std::string key, Value value);
@@ -93,7 +116,9 @@ class Value {
   static Value boolean(bool v);
   static Value integer(int64_t v);
   static Value floating(double v);
-  static Value string(std::string v);
+  static Value string(std::string v, ByteRanges untrusted = {});
+  // A string that came entirely from the caller's data.
+  static Value untrusted_string(std::string v);
   static Value array(std::vector<Value> items, bool is_tuple = false);
   static Value object(ObjectData data);
   static Value make_namespace(ObjectData data);
@@ -101,9 +126,10 @@ class Value {
   static Value callable(std::string name, std::function<Value(Interpreter&, const CallArgs&)> call);
 
   // JSON in: null, bool, integer (unsigned above int64 becomes a float), float, string, array,
-  // object (order kept). Refuses nesting deeper than kMaxJsonDepth.
+  // object (order kept). Refuses nesting deeper than kMaxJsonDepth. `untrusted`: the strings and
+  // keys are the caller's data (see ByteRanges).
   static constexpr int kMaxJsonDepth = ::e4kv::kMaxJsonDepth;
-  static Value from_json(const nlohmann::ordered_json& json, int depth = 0);
+  static Value from_json(const nlohmann::ordered_json& json, bool untrusted = false, int depth = 0);
   // JSON out; refuses undefined, namespaces, loops and callables (throws TemplateError, line 0).
   nlohmann::ordered_json to_json() const;
 
@@ -126,7 +152,9 @@ class Value {
   double as_float() const { return std::get<double>(data_); }
   // int, float or bool as a double.
   double as_number() const;
-  const std::string& as_string() const { return std::get<std::string>(data_); }
+  const std::string& as_string() const { return std::get<StringData>(data_).text; }
+  // The caller's-data ranges of a string (see ByteRanges).
+  const ByteRanges& untrusted_ranges() const { return std::get<StringData>(data_).untrusted; }
   const ArrayData& as_array() const { return *std::get<std::shared_ptr<const ArrayData>>(data_); }
   const ObjectData& as_object() const {
     return *std::get<std::shared_ptr<const ObjectData>>(data_);
@@ -147,10 +175,14 @@ class Value {
     std::string name;
   };
   struct None {};
+  struct StringData {
+    std::string text;
+    ByteRanges untrusted;
+  };
   struct Namespace {
     std::shared_ptr<ObjectData> data;
   };
-  using Data = std::variant<Undefined, None, bool, int64_t, double, std::string,
+  using Data = std::variant<Undefined, None, bool, int64_t, double, StringData,
                             std::shared_ptr<const ArrayData>, std::shared_ptr<const ObjectData>,
                             Namespace, LoopData, std::shared_ptr<const Callable>>;
   explicit Value(Data data) : data_(std::move(data)) {}
@@ -161,6 +193,16 @@ class Value {
 std::string to_str(const Value& value);
 // Python's repr().
 std::string to_repr(const Value& value);
+// to_str() with its caller's-data ranges: a string's own; for any other value, all of it when the
+// value holds any of the caller's data (a list or dict printed whole), else none.
+TrackedText to_tracked_str(const Value& value);
+// Whether `value` is or holds (in list items, dict keys or values, namespace attributes) a string
+// with caller's-data ranges.
+bool holds_untrusted(const Value& value);
+// `value` with every string in it (dict keys included) marked as the caller's data throughout:
+// what a builtin returns when it computed the result from the caller's data in a way that does
+// not keep track of which characters came from where.
+Value mark_untrusted(const Value& value);
 // Python's repr() of a float: the shortest string that reads back the same, "1.0", "1e+16".
 std::string float_repr(double value);
 

@@ -1,6 +1,7 @@
 #include "io/corpus.h"
 
 #include <charconv>
+#include <optional>
 
 #include "core/file_io.h"
 #include "core/json.h"
@@ -12,6 +13,94 @@ using json = nlohmann::ordered_json;
 
 Status line_error(const std::string& source, int64_t line, const std::string& what) {
   return Status::error(cat(source, ":", line, ": ", what));
+}
+
+// What is wrong with the tool call at `path` (OpenAI's form: {"type": "function", "function":
+// {"name": string, "arguments": string or object}, "id": string (optional)}), nullopt if nothing.
+std::optional<std::string> tool_call_error(const json& call, const std::string& path) {
+  if (!call.is_object()) return cat(path, ": expected a tool call object, got ", call.type_name());
+  const auto type = call.find("type");
+  if (type == call.end() || !type->is_string() || type->get<std::string>() != "function") {
+    return cat(path, ".type: expected \"function\", got ",
+               type == call.end() ? "nothing" : type->dump());
+  }
+  if (const auto id = call.find("id"); id != call.end() && !id->is_string()) {
+    return cat(path, ".id: expected a string, got ", id->type_name());
+  }
+  const auto function = call.find("function");
+  if (function == call.end() || !function->is_object()) {
+    return cat(path, ".function: expected an object {\"name\": ..., \"arguments\": ...}, got ",
+               function == call.end() ? "nothing" : function->type_name());
+  }
+  const auto name = function->find("name");
+  if (name == function->end() || !name->is_string()) {
+    return cat(path, ".function.name: expected a string, got ",
+               name == function->end() ? "nothing" : name->type_name());
+  }
+  const auto arguments = function->find("arguments");
+  if (arguments == function->end() || !(arguments->is_string() || arguments->is_object())) {
+    return cat(path, ".function.arguments: expected a string or an object, got ",
+               arguments == function->end() ? "nothing" : arguments->type_name());
+  }
+  return std::nullopt;
+}
+
+// What is wrong with the message at `path`, nullopt if nothing. A chat template trusts its
+// messages' shape (a role it does not know can fall through its branches, a content that is not
+// a string prints as Python's repr), so a document gets only what the templates are written for:
+// a known role, string content (null or absent only beside tool calls), tool calls of OpenAI's
+// form on an assistant message, and string names and ids. Other keys are passed through.
+std::optional<std::string> message_error(const json& message, const std::string& path) {
+  if (!message.is_object()) {
+    return cat(path, ": expected a message object {\"role\": ..., \"content\": ...}, got ",
+               message.type_name());
+  }
+  const auto role_it = message.find("role");
+  if (role_it == message.end() || !role_it->is_string()) {
+    return cat(path, ".role: expected a string (system, user, assistant or tool), got ",
+               role_it == message.end() ? "nothing" : role_it->type_name());
+  }
+  const std::string role = role_it->get<std::string>();
+  if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
+    return cat(path, ".role: unknown role ", role_it->dump(),
+               " (expected system, user, assistant or tool)");
+  }
+  const auto tool_calls = message.find("tool_calls");
+  const bool has_tool_calls = tool_calls != message.end() && !tool_calls->is_null();
+  if (has_tool_calls) {
+    if (role != "assistant") {
+      return cat(path, ".tool_calls: only an assistant message makes tool calls, not a ", role,
+                 " message");
+    }
+    if (!tool_calls->is_array()) {
+      return cat(path, ".tool_calls: expected an array of tool calls, got ",
+                 tool_calls->type_name());
+    }
+    for (size_t i = 0; i < tool_calls->size(); ++i) {
+      if (std::optional<std::string> error =
+              tool_call_error((*tool_calls)[i], cat(path, ".tool_calls[", i, "]"))) {
+        return error;
+      }
+    }
+  }
+  const auto content = message.find("content");
+  const bool may_be_empty = role == "assistant" && has_tool_calls;
+  if (content == message.end() || content->is_null()) {
+    if (!may_be_empty) {
+      return cat(path, ".content: expected a string, got ",
+                 content == message.end() ? "nothing" : "null",
+                 " (only an assistant message with tool_calls may leave it out)");
+    }
+  } else if (!content->is_string()) {
+    return cat(path, ".content: expected a string, got ", content->type_name());
+  }
+  for (const char* key : {"name", "tool_call_id", "reasoning_content"}) {
+    const auto it = message.find(key);
+    if (it != message.end() && !it->is_null() && !it->is_string()) {
+      return cat(path, ".", key, ": expected a string, got ", it->type_name());
+    }
+  }
+  return std::nullopt;
 }
 
 Result<CorpusDocument> parse_document(const json& value, const std::string& source, int64_t line) {
@@ -53,10 +142,9 @@ Result<CorpusDocument> parse_document(const json& value, const std::string& sour
       return line_error(source, line, "\"messages\" must be a non-empty array of messages");
     }
     for (size_t i = 0; i < messages.size(); ++i) {
-      if (!messages[i].is_object() || !messages[i].contains("role") ||
-          !messages[i]["role"].is_string()) {
-        return line_error(source, line,
-                          cat("\"messages\"[", i, "] must be an object with a string \"role\""));
+      if (const std::optional<std::string> error =
+              message_error(messages[i], cat("messages[", i, "]"))) {
+        return line_error(source, line, *error);
       }
     }
     doc.kind = CorpusKind::kMessages;

@@ -3,6 +3,11 @@
 //   {"text": "..."}                    text, encoded with the model's tokenizer (special tokens added)
 //   {"token_ids": [1, 2, 3]}           token ids as they are
 //   {"messages": [{"role": ..., ...}]} a conversation, rendered with the checkpoint's chat template
+// A message has a role (system, user, assistant or tool) and string content; an assistant message
+// may carry "tool_calls" (OpenAI's [{"type": "function", "function": {"name": ..., "arguments":
+// string or object}, "id": ...}]) and then null or no content; "name", "tool_call_id" and
+// "reasoning_content" are strings when given. Anything else is refused with the line and the
+// field ("corpus.jsonl:3: messages[1].role: unknown role ...").
 // Other keys are allowed and ignored (an "id" to name the document, say). Blank lines are skipped.
 #pragma once
 
@@ -25,7 +30,7 @@ struct CorpusDocument {
   CorpusKind kind = CorpusKind::kText;
   std::string text;                 // kText
   std::vector<int32_t> token_ids;   // kTokenIds (each >= 0; the vocabulary is checked later)
-  nlohmann::ordered_json messages;  // kMessages: a non-empty array of objects with a "role"
+  nlohmann::ordered_json messages;  // kMessages: a non-empty array of messages (checked as above)
 };
 
 // Every error names `source` and the line: invalid JSON, not an object, none or several of the

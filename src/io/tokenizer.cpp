@@ -718,7 +718,9 @@ class TokenMatcher {
 
   bool empty() const { return edges_.empty(); }
 
-  std::optional<Match> find(std::string_view text, size_t from) const {
+  // `allowed(match)` drops candidates (the longest allowed one at the leftmost start wins).
+  template <typename Allowed>
+  std::optional<Match> find(std::string_view text, size_t from, const Allowed& allowed) const {
     for (size_t start = from; start < text.size(); ++start) {
       if (!first_byte_[static_cast<uint8_t>(text[start])]) continue;
       int32_t node = 0;
@@ -727,8 +729,9 @@ class TokenMatcher {
         auto it = edges_.find(edge_key(node, text[pos]));
         if (it == edges_.end()) break;
         node = it->second;
-        if (terminal_[node] >= 0)
-          best = Match{start, pos + 1, static_cast<size_t>(terminal_[node])};
+        if (terminal_[node] < 0) continue;
+        const Match match{start, pos + 1, static_cast<size_t>(terminal_[node])};
+        if (allowed(match)) best = match;
       }
       if (best) return best;
     }
@@ -744,12 +747,32 @@ class TokenMatcher {
   std::array<bool, 256> first_byte_{};
 };
 
-// A stretch of text, or an added token (id >= 0) found in it.
+// A stretch of text, or an added token (id >= 0) found in it. `plain`: byte ranges of `text`
+// where special added tokens must not match (see Tokenizer::encode).
 struct Segment {
   std::string text;
   int32_t id = -1;
   bool at_start = false;
+  PlainRanges plain;
 };
+
+// The part of `ranges` inside [begin, end), shifted to start at 0.
+PlainRanges cut_ranges(const PlainRanges& ranges, size_t begin, size_t end) {
+  PlainRanges out;
+  for (const auto& [b, e] : ranges) {
+    const size_t from = std::max(b, begin);
+    const size_t to = std::min(e, end);
+    if (from < to) out.emplace_back(from - begin, to - begin);
+  }
+  return out;
+}
+
+bool overlaps_any(const PlainRanges& ranges, size_t begin, size_t end) {
+  for (const auto& [b, e] : ranges) {
+    if (b < end && begin < e) return true;
+  }
+  return false;
+}
 
 size_t trailing_white_space_start(std::string_view text) {
   size_t start = text.size();
@@ -783,16 +806,22 @@ bool ends_with_word_char(std::string_view text) {
 // a single_word token must not touch word characters (a rejected match is skipped over, not
 // searched again one byte later), lstrip / rstrip pull the white space on that side into the
 // token.
-void split_on_added_tokens(const std::string& text, bool at_start, const TokenMatcher& matcher,
-                           const std::vector<AddedToken>& tokens, std::vector<Segment>& out) {
+// A special token matches only where it overlaps none of `plain` (byte ranges of `text`); the
+// stretches of text between matches carry their part of `plain` along.
+void split_on_added_tokens(const std::string& text, bool at_start, const PlainRanges& plain,
+                           const TokenMatcher& matcher, const std::vector<AddedToken>& tokens,
+                           std::vector<Segment>& out) {
   if (text.empty()) return;
   if (matcher.empty()) {
-    out.push_back({text, -1, at_start});
+    out.push_back({text, -1, at_start, plain});
     return;
   }
+  auto allowed = [&](const TokenMatcher::Match& m) {
+    return !tokens[m.token].special || !overlaps_any(plain, m.start, m.end);
+  };
   size_t start_offset = 0;
   size_t search_from = 0;
-  while (std::optional<TokenMatcher::Match> m = matcher.find(text, search_from)) {
+  while (std::optional<TokenMatcher::Match> m = matcher.find(text, search_from, allowed)) {
     search_from = m->end;
     const AddedToken& token = tokens[m->token];
     size_t start = m->start;
@@ -807,14 +836,15 @@ void split_on_added_tokens(const std::string& text, bool at_start, const TokenMa
     start = std::max(start, start_offset);
     if (token.rstrip) stop += leading_white_space_length(view.substr(stop));
     if (start_offset < start) {
-      out.push_back(
-          {text.substr(start_offset, start - start_offset), -1, at_start && start_offset == 0});
+      out.push_back({text.substr(start_offset, start - start_offset), -1,
+                     at_start && start_offset == 0, cut_ranges(plain, start_offset, start)});
     }
-    out.push_back({std::string(), token.id, false});
+    out.push_back({std::string(), token.id, false, {}});
     start_offset = stop;
   }
   if (start_offset < text.size()) {
-    out.push_back({text.substr(start_offset), -1, at_start && start_offset == 0});
+    out.push_back({text.substr(start_offset), -1, at_start && start_offset == 0,
+                   cut_ranges(plain, start_offset, text.size())});
   }
 }
 
@@ -1481,6 +1511,7 @@ class TokenizerImpl {
   StringMap<int32_t> added_by_content;
   TokenMatcher raw_matcher;         // added tokens matched in the raw text
   TokenMatcher normalized_matcher;  // added tokens matched after normalization
+  bool has_normalized_special = false;  // a special token is in normalized_matcher
   std::vector<NormalizerStep> normalizer;
   std::vector<PreTokenizerStep> pre_tokenizer;
   // The post-processor reduced to what it adds around the sequence.
@@ -1501,12 +1532,32 @@ class TokenizerImpl {
     return id >= 0 && static_cast<size_t>(id) < id_flags.size() && (id_flags[id] & kHasText);
   }
 
-  std::vector<int32_t> encode(std::string_view input, bool add_special_tokens) const {
-    const std::string text = is_valid_utf8(input) ? std::string(input) : to_valid_utf8(input);
+  std::vector<int32_t> encode(std::string_view input, bool add_special_tokens,
+                              const PlainRanges& input_plain) const {
+    std::string text;
+    PlainRanges plain;
+    if (is_valid_utf8(input)) {
+      text = std::string(input);
+      plain = input_plain;
+    } else {
+      // Repairing the UTF-8 moves bytes: repair the stretches inside and outside the plain ranges
+      // one by one, so the ranges keep covering what they covered.
+      size_t at = 0;
+      for (const auto& [b, e] : input_plain) {
+        const size_t begin = std::clamp(b, at, input.size());
+        const size_t end = std::clamp(e, begin, input.size());
+        text += to_valid_utf8(input.substr(at, begin - at));
+        const size_t plain_begin = text.size();
+        text += to_valid_utf8(input.substr(begin, end - begin));
+        if (plain_begin < text.size()) plain.emplace_back(plain_begin, text.size());
+        at = end;
+      }
+      text += to_valid_utf8(input.substr(at));
+    }
     std::vector<int32_t> ids;
     if (add_special_tokens) ids = post_prefix;
     std::vector<Segment> raw_segments;
-    split_on_added_tokens(text, true, raw_matcher, added, raw_segments);
+    split_on_added_tokens(text, true, plain, raw_matcher, added, raw_segments);
     std::vector<Segment> segments;
     std::vector<Piece> pieces;
     for (Segment& raw : raw_segments) {
@@ -1514,9 +1565,13 @@ class TokenizerImpl {
         ids.push_back(raw.id);
         continue;
       }
+      const PlainRanges normalized_plain = has_normalized_special && !raw.plain.empty()
+                                               ? normalized_ranges(raw.text, raw.plain)
+                                               : PlainRanges();
       const std::string normalized = normalize(normalizer, std::move(raw.text));
       segments.clear();
-      split_on_added_tokens(normalized, raw.at_start, normalized_matcher, added, segments);
+      split_on_added_tokens(normalized, raw.at_start, normalized_plain, normalized_matcher, added,
+                            segments);
       for (Segment& segment : segments) {
         if (segment.id >= 0) {
           ids.push_back(segment.id);
@@ -1530,6 +1585,40 @@ class TokenizerImpl {
     }
     if (add_special_tokens) ids.insert(ids.end(), post_suffix.begin(), post_suffix.end());
     return ids;
+  }
+
+  // The plain ranges of `text` carried over to normalize(text). A normalizer rewrites the text
+  // (prepends, replaces, strips, recomposes), so offset x is carried over as the length of the
+  // normalized prefix text[0, x), or the common prefix of the two where that is not a prefix of
+  // the whole. White space at the end of a range is left out: a special token's normalized form
+  // may start with what the normalizer makes of a space (SentencePiece's "▁"), and a space spells
+  // no token. Only tokenizers with normalized special tokens (rare: special tokens are usually
+  // matched in the raw text) need this.
+  PlainRanges normalized_ranges(const std::string& text, const PlainRanges& plain) const {
+    const std::string whole = normalize(normalizer, text);
+    auto carried = [&](size_t x) -> size_t {
+      const std::string prefix = normalize(normalizer, text.substr(0, x));
+      size_t common = 0;
+      while (common < prefix.size() && common < whole.size() && prefix[common] == whole[common]) {
+        ++common;
+      }
+      return common;
+    };
+    PlainRanges out;
+    for (const auto& [b, e] : plain) {
+      const size_t kept_end =
+          b + trailing_white_space_start(std::string_view(text).substr(b, e - b));
+      if (kept_end == b) continue;
+      const size_t begin = carried(b);
+      const size_t end = std::max(begin, carried(kept_end));
+      if (begin == end) continue;
+      if (!out.empty() && out.back().second >= begin) {
+        out.back().second = std::max(out.back().second, end);
+      } else {
+        out.emplace_back(begin, end);
+      }
+    }
+    return out;
   }
 
   // The strings decode() hands to the decoder chain.
@@ -1700,6 +1789,7 @@ Status TokenizerImpl::load_added_tokens(const Node& node) {
   for (size_t i : order) {
     if (added[i].normalized) {
       normalized_matcher.add(normalize(normalizer, added[i].content), i);
+      has_normalized_special = has_normalized_special || added[i].special;
     } else {
       raw_matcher.add(added[i].content, i);
     }
@@ -1916,7 +2006,17 @@ Result<Tokenizer> Tokenizer::from_model_dir(const std::filesystem::path& model_d
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
-  return impl_->encode(text, add_special_tokens);
+  return impl_->encode(text, add_special_tokens, {});
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens,
+                                       const PlainRanges& plain) const {
+  for (size_t i = 0; i < plain.size(); ++i) {
+    E4KV_ASSERT(plain[i].first <= plain[i].second && plain[i].second <= text.size() &&
+                    (i == 0 || plain[i - 1].second <= plain[i].first),
+                "plain ranges must be sorted, disjoint and inside the text");
+  }
+  return impl_->encode(text, add_special_tokens, plain);
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {

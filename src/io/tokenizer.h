@@ -36,6 +36,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -44,6 +45,9 @@ namespace e4kv {
 
 class TokenizerImpl;
 class DecodeStream;
+
+// Byte ranges [begin, end) of a text, sorted and disjoint.
+using PlainRanges = std::vector<std::pair<size_t, size_t>>;
 
 class Tokenizer {
  public:
@@ -68,6 +72,14 @@ class Tokenizer {
   // Invalid UTF-8 in `text` is read as U+FFFD (one per maximal invalid subsequence), as a lossy
   // UTF-8 read does.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const;
+  // As encode(text, add_special_tokens), except that a special added token (a control token such
+  // as <|im_start|>) is matched only where it overlaps none of `plain`: text there is encoded as
+  // ordinary text, whatever it spells. Non-special added tokens match as they do in encode().
+  // A chat prompt passes the ranges that came from message content (ChatTemplate::render_tracked),
+  // so a message cannot fake a role boundary. Outside the ranges, and with no ranges, the ids are
+  // those encode(text, add_special_tokens) gives.
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens,
+                              const PlainRanges& plain) const;
   // Text of `ids`; always valid UTF-8 (bytes that do not form UTF-8 decode to U+FFFD).
   // skip_special_tokens drops special added tokens. Ids that name no token (negative, >=
   // vocab_size(), or a gap in the vocabulary) decode to nothing, as in the `tokenizers` library:

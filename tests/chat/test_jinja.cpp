@@ -526,5 +526,97 @@ TEST(Jinja, RenderNeedsAnObjectContext) {
   EXPECT_NE(out.message().find("must be a JSON object"), std::string::npos);
 }
 
+// ---- Which output came from untrusted strings
+// ----------------------------------------------------
+
+// The text with each untrusted range in brackets: "<s>[hi]</s>".
+std::string tracked(const std::string& source, const std::string& untrusted_json,
+                    const std::string& trusted_json = "{}") {
+  Result<JinjaTemplate> tpl = JinjaTemplate::parse(source);
+  EXPECT_TRUE(tpl.ok()) << tpl.message();
+  if (!tpl.ok()) return "<error>";
+  const Result<jinja::TrackedText> out =
+      tpl->render_tracked(ordered_json::parse(trusted_json), ordered_json::parse(untrusted_json));
+  EXPECT_TRUE(out.ok()) << "template: " << source << "\nerror: " << out.message();
+  if (!out.ok()) return "<error>";
+  std::string shown;
+  size_t at = 0;
+  for (const auto& [begin, end] : out->untrusted) {
+    // Sorted, disjoint, not touching and not empty.
+    EXPECT_TRUE(at == 0 ? begin >= at : begin > at) << source;
+    EXPECT_LT(begin, end) << source;
+    EXPECT_LE(end, out->text.size()) << source;
+    shown += out->text.substr(at, begin - at) + "[" + out->text.substr(begin, end - begin) + "]";
+    at = end;
+  }
+  return shown + out->text.substr(at);
+}
+
+TEST(JinjaTracking, TemplateTextIsTrustedAndContextStringsAreNot) {
+  EXPECT_EQ(tracked("<s>{{ u }}</s>{{ t }}", R"({"u": "hi"})", R"({"t": "<eos>"})"),
+            "<s>[hi]</s><eos>");
+  // Numbers and booleans of the context cannot spell a token; they print as trusted text.
+  EXPECT_EQ(tracked("{{ n }}{{ b }}", R"({"n": 12, "b": true})"), "12True");
+  // A list or dict printed whole is untrusted if anything in it is.
+  EXPECT_EQ(tracked("{{ m }}|{{ [1, 2] }}", R"({"m": {"k": 1}})"), "[{'k': 1}]|[1, 2]");
+  EXPECT_EQ(tracked("{{ m|tojson }}", R"({"m": [1, "a"]})"), "[[1, \"a\"]]");
+}
+
+TEST(JinjaTracking, ConcatenationSlicingAndStripKeepTheRanges) {
+  const std::string ctx = R"({"u": "  ab  ", "v": "xyz", "m": [{"content": "q"}]})";
+  EXPECT_EQ(tracked("{{ '<' + v + '>' }}", ctx), "<[xyz]>");
+  EXPECT_EQ(tracked("{{ '<' ~ v ~ 1 ~ '>' }}", ctx), "<[xyz]1>");
+  EXPECT_EQ(tracked("{{ ('<' + v)[0:3] }}|{{ v[1] }}|{{ v[::-1] }}", ctx), "<[xy]|[y]|[zyx]");
+  EXPECT_EQ(tracked("{{ ('[' + u + ']')|trim('[]') }}|{{ (' <' + u).strip() }}", ctx),
+            "[  ab  ]|<[  ab]");
+  EXPECT_EQ(tracked("{{ ('<' + v).removeprefix('<') }}|{{ (v + '>').removesuffix('y>') }}", ctx),
+            "[xyz]|[xyz]>");
+  EXPECT_EQ(tracked("{{ ('<' + v) * 2 }}", ctx), "<[xyz]<[xyz]");
+  EXPECT_EQ(tracked("{{ '|'.join([v, 'k', v]) }}|{{ [v, 'k']|join('-') }}", ctx),
+            "[xyz]|k|[xyz]|[xyz]-k");
+  EXPECT_EQ(tracked("{% for c in '<' + v %}{{ c }}.{% endfor %}", ctx), "<.[x].[y].[z].");
+  // Through set blocks, namespaces and macros.
+  EXPECT_EQ(tracked("{% set s %}<{{ v }}>{% endset %}{{ s }}", ctx), "<[xyz]>");
+  EXPECT_EQ(tracked("{% set ns = namespace(t='') %}{% for x in m %}{% set ns.t = ns.t + '<' + "
+                    "x.content %}{% endfor %}{{ ns.t }}",
+                    ctx),
+            "<[q]");
+  EXPECT_EQ(tracked("{% macro w(x) %}<{{ x }}>{% endmacro %}{{ w(v) }}{{ w('k') }}", ctx),
+            "<[xyz]><k>");
+}
+
+TEST(JinjaTracking, OtherBuiltinsMakeTheirResultUntrustedAsAWhole) {
+  const std::string ctx = R"({"v": "a<b", "d": {"key<": "x"}})";
+  // replace, upper, format, split: whatever they compute from an untrusted string is untrusted,
+  // even the parts that came from trusted arguments.
+  EXPECT_EQ(tracked("{{ v|replace('<', '<|x|>') }}", ctx), "[a<|x|>b]");
+  EXPECT_EQ(tracked("{{ ('<' + v)|upper }}", ctx), "[<A<B]");
+  EXPECT_EQ(tracked("{{ '<{}>'.format(v) }}", ctx), "[<a<b>]");
+  EXPECT_EQ(tracked("{{ v.split('<')[1] }}", ctx), "[b]");
+  // ... and from trusted input only, trusted.
+  EXPECT_EQ(tracked("{{ 'a<b'|replace('<', '>') }}|{{ '<{}>'.format('k') }}", ctx), "a>b|<k>");
+  // Dict keys from the context are untrusted wherever they go.
+  EXPECT_EQ(tracked("{% for k in d %}{{ k }}{% endfor %}|{% for k, x in d.items() %}{{ k }}="
+                    "{{ x }}{% endfor %}|{{ d|tojson }}",
+                    ctx),
+            "[key<]|[key<]=[x]|[{\"key<\": \"x\"}]");
+  // A dict built in the template with an untrusted key.
+  EXPECT_EQ(tracked("{% for k in {v: 1} %}{{ k }}{% endfor %}", ctx), "[a<b]");
+}
+
+TEST(JinjaTracking, RenderKeepsTheSameText) {
+  // render() is render_tracked() with every variable trusted: the same text.
+  const std::string source = "{% for m in ms %}<{{ m.r }}>{{ m.c|trim }}{% endfor %}";
+  const std::string ctx = R"({"ms": [{"r": "u", "c": " hi "}, {"r": "a", "c": "yo"}]})";
+  EXPECT_EQ(render(source, ctx), "<u>hi<a>yo");
+  EXPECT_EQ(tracked(source, ctx), "<[u]>[hi]<[a]>[yo]");
+  Result<JinjaTemplate> tpl = JinjaTemplate::parse("{{ x }}");
+  ASSERT_TRUE(tpl.ok());
+  const Result<jinja::TrackedText> twice =
+      tpl->render_tracked(ordered_json::parse(R"({"x": 1})"), ordered_json::parse(R"({"x": 2})"));
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.message().find("\"x\" is given twice"), std::string::npos) << twice.message();
+}
+
 }  // namespace
 }  // namespace e4kv

@@ -4,6 +4,7 @@
 // name the field, the streaming decoder against decode(), and round trips.
 #include "io/tokenizer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -266,6 +267,105 @@ TEST(Tokenizer, AddedTokensWithLstripRstrip) {
   // Longest match first.
   j["added_tokens"].push_back(added_token(302, "<|endoftext|>x", true));
   EXPECT_EQ(load(j).encode("<|endoftext|>x<|endoftext|>", false), (Ids{302, 300}));
+}
+
+// encode(text, ..., plain): special added tokens match only outside the plain ranges; inside,
+// their text is encoded as a tokenizer without them encodes it (the independent truth here:
+// the same tokenizer with the special token removed); non-special added tokens still match.
+TEST(Tokenizer, PlainRangesEncodeSpecialTokenTextAsText) {
+  json j = gpt2_like();
+  j["added_tokens"] = {added_token(300, "<|endoftext|>", true), added_token(301, "<tool>", false),
+                       added_token(302, "<|endoftext|>x", true)};
+  const Tokenizer tok = load(j);
+  json without = gpt2_like();
+  without["added_tokens"] = {added_token(301, "<tool>", false)};
+  const Tokenizer as_text = load(without);
+
+  const std::string eot = "<|endoftext|>";
+  const std::string inner = "y" + eot + "<tool>z" + eot;
+  const std::string text = eot + inner + eot;
+  const PlainRanges plain = {{eot.size(), eot.size() + inner.size()}};
+  Ids want = {300};
+  const Ids middle = as_text.encode(inner, false);
+  want.insert(want.end(), middle.begin(), middle.end());
+  want.push_back(300);
+  EXPECT_EQ(tok.encode(text, false, plain), want);
+  EXPECT_NE(std::find(middle.begin(), middle.end(), 301), middle.end());  // <tool> matched
+  EXPECT_EQ(std::count(middle.begin(), middle.end(), 300), 0);
+  // Without ranges: what encode() gives.
+  EXPECT_EQ(tok.encode(text, false, {}), tok.encode(text, false));
+  EXPECT_EQ(tok.encode(text, false), (Ids{300, 'y', 300, 301, 'z', 300, 300}));
+  // A range that covers one byte of a special token's text keeps the whole token text.
+  EXPECT_EQ(tok.encode(eot, false, {{eot.size() - 1, eot.size()}}), as_text.encode(eot, false));
+  EXPECT_EQ(tok.encode(eot, false, {{0, 1}}), as_text.encode(eot, false));
+  EXPECT_EQ(tok.encode(" " + eot, false, {{0, 1}}), (Ids{' ', 300}));
+  // The longest token that may match wins: "<|endoftext|>x" touches the range, "<|endoftext|>"
+  // does not.
+  EXPECT_EQ(tok.encode(eot + "x", false), (Ids{302}));
+  EXPECT_EQ(tok.encode(eot + "x", false, {{eot.size(), eot.size() + 1}}), (Ids{300, 'x'}));
+  // add_special_tokens still adds the post-processor's tokens.
+  j["post_processor"] = {
+      {"type", "TemplateProcessing"},
+      {"single",
+       {{{"SpecialToken", {{"id", "<|endoftext|>"}, {"type_id", 0}}}},
+        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+      {"pair", json::array()},
+      {"special_tokens",
+       {{"<|endoftext|>",
+         {{"id", "<|endoftext|>"}, {"ids", {300}}, {"tokens", {"<|endoftext|>"}}}}}}};
+  const Ids with_bos = load(j).encode(eot, true, {{0, eot.size()}});
+  Ids want_bos = {300};
+  const Ids eot_text = as_text.encode(eot, false);
+  want_bos.insert(want_bos.end(), eot_text.begin(), eot_text.end());
+  EXPECT_EQ(with_bos, want_bos);
+}
+
+// Invalid UTF-8 is repaired before matching; the ranges follow the bytes they covered.
+TEST(Tokenizer, PlainRangesFollowRepairedUtf8) {
+  json j = gpt2_like();
+  j["added_tokens"] = {added_token(300, "<|endoftext|>", true)};
+  const Tokenizer tok = load(j);
+  const std::string eot = "<|endoftext|>";
+  const std::string text = "\xFF" + eot + "\xE4\xB8" + eot;
+  const Ids repaired = tok.encode("\xEF\xBF\xBD" + eot + "\xEF\xBF\xBD" + eot, false);
+  EXPECT_EQ(tok.encode(text, false), repaired);
+  // The first special token's text is plain, the second is not.
+  const Ids got = tok.encode(text, false, {{0, 1 + eot.size()}});
+  EXPECT_EQ(std::count(got.begin(), got.end(), 300), 1);
+  EXPECT_EQ(got.back(), 300);
+  EXPECT_EQ(tok.decode(got, false), "\xEF\xBF\xBD" + eot + "\xEF\xBF\xBD" + eot);
+  // The invalid byte alone plain: both special tokens match.
+  EXPECT_EQ(tok.encode(text, false, {{0, 1}}), repaired);
+}
+
+// A special token matched after normalization (normalized: true, rare in real tokenizers): the
+// ranges are carried over to the normalized text. Here Prepend("▁") + Replace(" " -> "▁") and a
+// special "[INST]" whose normalized form is "▁[INST]".
+TEST(Tokenizer, PlainRangesCarryOverToNormalizedSpecialTokens) {
+  json j = sentencepiece_like();
+  json inst = added_token(264, "[INST]", true);
+  inst["normalized"] = true;
+  j["added_tokens"].push_back(inst);
+  j["model"]["vocab"]["[INST]"] = 264;
+  const Tokenizer tok = load(j);
+  const std::string text = "[INST] hi [INST]";
+  // "▁[INST]", "▁hi", "▁[INST]".
+  EXPECT_EQ(tok.encode(text, false), (Ids{264, 263, 264}));
+  // Bytes of "[INST]" by byte fallback: '[' 0x5B, I 0x49, N 0x4E, S 0x53, T 0x54, ']' 0x5D, each
+  // 3 + the byte.
+  const Ids inst_bytes = {3 + 0x5B, 3 + 0x49, 3 + 0x4E, 3 + 0x53, 3 + 0x54, 3 + 0x5D};
+  // " hi [INST]" plain: the second marker is "▁" and its bytes.
+  Ids want = {264, 263, 259};
+  want.insert(want.end(), inst_bytes.begin(), inst_bytes.end());
+  EXPECT_EQ(tok.encode(text, false, {{6, text.size()}}), want);
+  // The first "[INST]" plain: "▁" and its bytes, "▁hi", then the second marker.
+  want = {259};
+  want.insert(want.end(), inst_bytes.begin(), inst_bytes.end());
+  want.push_back(263);
+  want.push_back(264);
+  EXPECT_EQ(tok.encode(text, false, {{0, 6}}), want);
+  // Only " hi " plain: both markers match.
+  EXPECT_EQ(tok.encode(text, false, {{6, 10}}), (Ids{264, 263, 264}));
 }
 
 TEST(Tokenizer, SingleWordAddedTokensDoNotMatchInsideWords) {

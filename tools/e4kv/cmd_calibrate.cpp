@@ -54,6 +54,7 @@ struct CalibrateArgs {
   int64_t max_documents = 0;
   bool force = false;
   bool progress = true;
+  bool special_tokens_in_content = false;
 };
 
 std::string duration_text(double seconds) {
@@ -158,7 +159,7 @@ Status run_calibrate(const CalibrateArgs& args) {
   // Token ids first (every document's errors before the model loads).
   E4KV_ASSIGN_OR_RETURN(Checkpoint probe, Checkpoint::open(args.model.model_dir));
   const ModelConfig config = probe.config();
-  PromptSource source{fs::path(args.model.model_dir)};
+  PromptSource source{fs::path(args.model.model_dir), args.special_tokens_in_content};
   std::vector<std::vector<int32_t>> prompts;
   for (const CorpusDocument& doc : docs) {
     Result<std::vector<int32_t>> ids = source.ids(doc, config.vocab_size);
@@ -313,6 +314,8 @@ void add_calibrate_command(CLI::App& app, Status& result) {
                   "Stop after this many documents of the shard (0: all)")
       ->transform(decimal_integer<int64_t>(0, std::numeric_limits<int64_t>::max()))
       ->capture_default_str();
+  cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
+                kSpecialTokensInContentHelp);
   cmd->add_flag("--force", args->force, "Replace existing statistics files of this shard");
   cmd->add_flag("!--no-progress", args->progress, "No progress line on a terminal");
   cmd->callback([args, &result] { result = run_calibrate(*args); });

@@ -57,6 +57,7 @@ struct CompareArgs {
   std::string depths = "0,50,100";
   int64_t passkey_trials = 1;
   bool isolated = false;
+  bool special_tokens_in_content = false;
 };
 
 // What one forward of the FP16 model showed its probe (with capture_inputs, also every attention
@@ -351,7 +352,7 @@ Status run_compare(const CompareArgs& args) {
 
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(args.model.model_dir));
   const int64_t vocab = ckpt.config().vocab_size;
-  PromptSource source{fs::path(args.model.model_dir)};
+  PromptSource source{fs::path(args.model.model_dir), args.special_tokens_in_content};
   std::vector<std::vector<int32_t>> prompts;
   if (!args.prompts.empty()) {
     E4KV_ASSIGN_OR_RETURN(const std::vector<CorpusDocument> docs, read_corpus(args.prompts));
@@ -514,6 +515,8 @@ void add_compare_command(CLI::App& app, Status& result) {
                   "Directory for compare.json, compare.md and compare.svg, which appear at once "
                   "(built beside it, then renamed onto it); new or empty, or with --force one "
                   "holding only those files");
+  cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
+                kSpecialTokensInContentHelp);
   cmd->add_flag("--force", args->force, "Replace existing compare files in --out");
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "Teacher-forced rows per forward (each returns every row's logits)")

@@ -1,4 +1,7 @@
 // e4kv tokenize MODEL --text T [--json] [--no-special]: the token ids of a text.
+// e4kv tokenize MODEL --corpus FILE [--json] [--special-tokens-in-content]: the token ids of each
+// document of a calibrate / compare corpus, as those commands encode them (messages rendered with
+// the checkpoint's chat template).
 // e4kv detokenize MODEL --ids 1,2,3 [--json] [--skip-special]: the text of token ids.
 // MODEL is a Hugging Face model directory holding tokenizer.json (and tokenizer_config.json).
 #include <cstdio>
@@ -13,7 +16,9 @@
 
 #include "commands.h"
 #include "core/utf8.h"
+#include "io/corpus.h"
 #include "io/tokenizer.h"
+#include "prompt_source.h"
 
 namespace e4kv::cli {
 namespace {
@@ -22,9 +27,11 @@ using ordered_json = nlohmann::ordered_json;
 
 struct TokenizeArgs {
   std::string model_dir;
-  std::string text;
+  std::optional<std::string> text;
+  std::optional<std::string> corpus;
   bool json = false;
   bool no_special = false;
+  bool special_tokens_in_content = false;
 };
 
 struct DetokenizeArgs {
@@ -81,9 +88,41 @@ Result<std::vector<int32_t>> parse_ids(const std::string& list, const Tokenizer&
   return ids;
 }
 
+std::string id_line(const std::vector<int32_t>& ids) {
+  std::string line;
+  for (int32_t id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+  return line;
+}
+
+// One line per document: its ids, or {"line": N, "ids": [...]} with --json.
+Status run_tokenize_corpus(const TokenizeArgs& args) {
+  if (args.no_special) {
+    return Status::error(
+        "--no-special applies to --text; a corpus's documents are encoded as "
+        "calibrate and compare encode them");
+  }
+  E4KV_ASSIGN_OR_RETURN(const std::vector<CorpusDocument> docs, read_corpus(*args.corpus));
+  PromptSource source{args.model_dir, args.special_tokens_in_content};
+  E4KV_ASSIGN_OR_RETURN(const Tokenizer* tokenizer, source.tokenizer());
+  std::string out;
+  for (const CorpusDocument& doc : docs) {
+    Result<std::vector<int32_t>> ids = source.ids(doc, tokenizer->vocab_size());
+    if (!ids.ok()) return Status::error(cat(*args.corpus, ":", doc.line, ": ", ids.message()));
+    out += args.json ? ordered_json{{"line", doc.line}, {"ids", *ids}}.dump() : id_line(*ids);
+    out += "\n";
+  }
+  return write_stdout(out);
+}
+
 Status run_tokenize(const TokenizeArgs& args) {
+  if (args.corpus) return run_tokenize_corpus(args);
+  if (args.special_tokens_in_content) {
+    return Status::error(
+        "--special-tokens-in-content applies to the messages of --corpus; "
+        "--text is encoded with every special token matched");
+  }
   E4KV_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::from_model_dir(args.model_dir));
-  std::string text = args.text;
+  std::string text = *args.text;
   if (text == "-") {
     // Bounded: a prompt is text, and /dev/zero on standard input must not exhaust memory.
     constexpr size_t kMaxStdinBytes = size_t{64} << 20;
@@ -106,9 +145,7 @@ Status run_tokenize(const TokenizeArgs& args) {
   if (args.json) {
     return write_stdout(ordered_json{{"ids", ids}}.dump() + "\n");
   }
-  std::string line;
-  for (int32_t id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
-  return write_stdout(line + "\n");
+  return write_stdout(id_line(ids) + "\n");
 }
 
 Status run_detokenize(const DetokenizeArgs& args) {
@@ -128,7 +165,16 @@ void add_tokenize_commands(CLI::App& app, Status& result) {
       "tokenize", "Print the token ids of a text (the model directory's tokenizer.json)");
   auto t = std::make_shared<TokenizeArgs>();
   tokenize->add_option("MODEL", t->model_dir, "Model directory holding tokenizer.json")->required();
-  tokenize->add_option("--text", t->text, "Text to encode; '-' reads standard input")->required();
+  // Exactly one input: none or both is a usage error, as a missing required flag is.
+  CLI::Option_group* input = tokenize->add_option_group("input", "What to encode (one of them)");
+  input->require_option(1);
+  input->add_option("--text", t->text, "Text to encode; '-' reads standard input");
+  input->add_option("--corpus", t->corpus,
+                    "JSON lines as calibrate --corpus takes them ({\"text\": ...}, "
+                    "{\"token_ids\": [...]} or {\"messages\": [...]}): one line of ids per "
+                    "document, as calibrate and compare encode it");
+  tokenize->add_flag("--special-tokens-in-content", t->special_tokens_in_content,
+                     kSpecialTokensInContentHelp);
   tokenize->add_flag("--json", t->json, "Print {\"ids\": [...]}");
   tokenize->add_flag("--no-special", t->no_special,
                      "Do not add the post-processor's special tokens (BOS, ...)");

@@ -8,7 +8,8 @@
 
 namespace e4kv::cli {
 
-PromptSource::PromptSource(std::filesystem::path model_dir) : model_dir_(std::move(model_dir)) {}
+PromptSource::PromptSource(std::filesystem::path model_dir, bool special_tokens_in_content)
+    : model_dir_(std::move(model_dir)), special_tokens_in_content_(special_tokens_in_content) {}
 PromptSource::~PromptSource() = default;
 PromptSource::PromptSource(PromptSource&&) noexcept = default;
 
@@ -49,9 +50,10 @@ Result<std::vector<int32_t>> PromptSource::ids(const CorpusDocument& doc, int64_
       }
       ChatRenderOptions options;
       options.add_generation_prompt = doc.messages.back().value("role", "") != "assistant";
-      Result<std::string> text = chat_template_->render(doc.messages, options);
-      if (!text.ok()) return text.status();
-      out = tok->encode(*text, /*add_special_tokens=*/false);
+      options.special_tokens_in_content = special_tokens_in_content_;
+      Result<RenderedPrompt> prompt = chat_template_->render_tracked(doc.messages, options);
+      if (!prompt.ok()) return prompt.status();
+      out = tok->encode(prompt->text, /*add_special_tokens=*/false, prompt->untrusted);
       break;
     }
   }
