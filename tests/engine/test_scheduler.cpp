@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <random>
 #include <set>
@@ -111,11 +112,14 @@ TEST(Scheduler, PreemptsTheYoungestAndItResumesWhereItWas) {
   EXPECT_EQ(s.n_free_blocks(), 0);
   s.append_token(1, 5);
   s.append_token(2, 6);
-  // Sequence 1 fits its decode row into its second block (31 < 32); sequence 2 too.
-  p = s.schedule();
-  ASSERT_EQ(p.chunks.size(), 2u);
-  s.append_token(1, 5);
-  s.append_token(2, 6);
+  // Positions 30 and 31 still fit the second block of each sequence.
+  for (int step = 0; step < 2; ++step) {
+    p = s.schedule();
+    ASSERT_EQ(p.chunks.size(), 2u);
+    ASSERT_TRUE(p.preempted.empty());
+    s.append_token(1, 5);
+    s.append_token(2, 6);
+  }
   // Now both need a third block: sequence 2 (the youngest) gives its blocks and slot back.
   p = s.schedule();
   ASSERT_EQ(p.preempted, std::vector<SequenceId>{2});
@@ -125,17 +129,17 @@ TEST(Scheduler, PreemptsTheYoungestAndItResumesWhereItWas) {
   EXPECT_EQ(s.n_waiting(), 1);
   const Sequence* two = s.find(2);
   EXPECT_EQ(two->n_computed, 0);
-  EXPECT_EQ(two->tokens.size(), 32u);  // its output so far is kept
+  EXPECT_EQ(two->tokens.size(), 33u);  // its output so far is kept
   EXPECT_EQ(two->n_preemptions, 1);
   EXPECT_EQ(s.n_preemptions(), 1);
-  // Once sequence 1 ends, sequence 2 recomputes all 32 tokens afresh and samples.
+  // Once sequence 1 ends, sequence 2 recomputes all 33 tokens afresh and samples.
   s.append_token(1, 5);
   ASSERT_TRUE(s.remove(1));
   p = s.schedule();
   ASSERT_EQ(p.chunks.size(), 1u);
   EXPECT_EQ(p.chunks[0].id, 2);
   EXPECT_EQ(p.chunks[0].start, 0);
-  EXPECT_EQ(p.chunks[0].n_tokens, 32);
+  EXPECT_EQ(p.chunks[0].n_tokens, 33);
   EXPECT_TRUE(p.chunks[0].fresh_state);
   EXPECT_TRUE(p.chunks[0].samples);
 }
@@ -144,8 +148,9 @@ TEST(Scheduler, PreemptsTheYoungestAndItResumesWhereItWas) {
 // finishes or is aborted exactly once with the tokens it gets alone, the limits hold in every step,
 // and the pools are whole again at the end.
 TEST(Scheduler, RandomWorkloadsKeepEveryInvariant) {
+  int64_t preemptions = 0, chunked = 0;
   for (int trial = 0; trial < 40; ++trial) {
-    std::mt19937_64 rng(uint64_t(trial));
+    std::mt19937_64 rng{uint64_t(trial)};
     auto uniform = [&](int64_t lo, int64_t hi) {
       return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
     };
@@ -198,6 +203,7 @@ TEST(Scheduler, RandomWorkloadsKeepEveryInvariant) {
         ASSERT_FALSE(w.done);
         // Rows continue exactly where the sequence's state stands: no gap, no repeat.
         if (ch.fresh_state) w.computed = 0;
+        if (!ch.samples) ++chunked;
         ASSERT_EQ(ch.start, w.computed);
         ASSERT_EQ(ch.fresh_state, ch.start == 0);
         w.computed += ch.n_tokens;
@@ -228,10 +234,13 @@ TEST(Scheduler, RandomWorkloadsKeepEveryInvariant) {
       ASSERT_EQ(rows, p.n_tokens);
       if (next_id == 30 && !s.has_work()) break;
       // Progress: a step with work queued schedules something.
-      if (s.has_work()) ASSERT_FALSE(p.empty() && p.preempted.empty()) << "step " << step;
+      if (s.has_work()) {
+        ASSERT_FALSE(p.empty() && p.preempted.empty()) << "step " << step;
+      }
     }
     ASSERT_FALSE(s.has_work()) << "trial " << trial;
     EXPECT_EQ(finished + aborted, 30);
+    preemptions += s.n_preemptions();
     EXPECT_EQ(s.n_used_blocks(), 0);
     EXPECT_EQ(s.n_free_slots(), c.n_state_slots);
     for (const auto& [id, w] : requests) {
@@ -242,6 +251,11 @@ TEST(Scheduler, RandomWorkloadsKeepEveryInvariant) {
       EXPECT_TRUE(std::equal(w.output.begin(), w.output.end(), want.begin())) << "request " << id;
     }
   }
+  // The workloads did exercise preemption and chunked prefill.
+  EXPECT_GT(preemptions, 40);
+  EXPECT_GT(chunked, 40);
+  std::printf("%lld preemptions, %lld chunks that did not sample\n", (long long)preemptions,
+              (long long)chunked);
 }
 
 }  // namespace
