@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "backend/cpu/cpu_backend.h"
+#include "core/checked.h"
 #include "kv/block_allocator.h"
 #include "kv/scale_gate.h"
 #include "numeric_flags.h"
@@ -81,7 +82,8 @@ Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int thr
   return Status::error(cat("--device \"", device, "\": expected cpu, cuda or cuda:N"));
 }
 
-Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows) {
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows,
+                               int64_t max_requests) {
   E4KV_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(flags.kv_cache_dtype));
   E4KV_ASSIGN_OR_RETURN(KvScalesMode mode, parse_kv_scales_mode(flags.kv_scales));
   E4KV_RETURN_IF_ERROR(validate_model_flags(flags));
@@ -103,8 +105,10 @@ Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t 
   options.max_model_len = flags.max_model_len > 0
                               ? flags.max_model_len
                               : loaded.checkpoint->config().max_position_embeddings;
-  const int64_t cached =
-      std::max<int64_t>(1, std::min(tokens, std::max<int64_t>(1, options.max_model_len)));
+  const int64_t cached = std::max<int64_t>(
+      1, std::min(tokens, checked_mul(std::max<int64_t>(1, options.max_model_len),
+                                      std::max<int64_t>(1, max_requests))
+                              .value_or(std::numeric_limits<int64_t>::max())));
   options.n_blocks = blocks_for_tokens(cached, flags.block_size);
   if (all_rows > 0) {
     options.max_batch_tokens = all_rows;

@@ -42,11 +42,12 @@ struct LoadedModel {
 Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads);
 
 // Opens the checkpoint, picks the backend and loads the model with a cache of enough blocks for
-// `tokens` tokens (capped at the max model length). all_rows > 0: one forward of that many rows
+// `tokens` tokens (capped at `max_requests` sequences of the max model length). all_rows > 0: one forward of that many rows
 // returns the logits of every row (the logits command); otherwise the model's default limits.
 // For an E4M3 cache the K/V scale summary goes to stderr (in unit mode it is the NEGATIVE
 // CONTROL line).
-Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows = 0);
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows = 0,
+                               int64_t max_requests = 1);
 
 // "1,2,3" (spaces allowed) -> ids; errors name `flag`.
 Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text);
