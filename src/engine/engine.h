@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -31,21 +32,52 @@ struct EngineConfig {
   int64_t max_num_seqs = 0;
 };
 
+// vLLM's request parameters; the logits-shaping ones are in `sampling` (engine/sampler.h).
 struct RequestParams {
   SamplingParams sampling;
   int64_t max_tokens = 16;  // new tokens at most (also cut at the max model length)
-  // Generation stops after producing one of these (kept in the output, as transformers keeps EOS).
+  // Stop and EOS ids and stop strings do not end the request before it has this many tokens:
+  // until then the stop and EOS ids are suppressed (their logits -inf), as vLLM does.
+  int64_t min_tokens = 0;
+  // Generation stops after producing one of these (stop_token_ids), whatever ignore_eos says. The
+  // token is in the output ids; its text is not in the output text unless
+  // include_stop_str_in_output.
   std::vector<int32_t> stop_ids;
+  // The model's end-of-sequence ids (tokenizer / generation config): they stop generation as
+  // stop_ids do, unless ignore_eos.
+  std::vector<int32_t> eos_ids;
+  bool ignore_eos = false;
+  // Text that ends generation (the OutputProcessor's; the engine ignores them). The matched text is
+  // cut from the output unless include_stop_str_in_output.
+  std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;
+  bool skip_special_tokens = true;  // in the output text
+  // Log-probabilities of each sampled token and of the top n (0..kMaxLogprobs); -1: none.
+  int64_t logprobs = -1;
+  // The same for every prompt token after the first; -1: none. (max_tokens 0 finishes without a
+  // forward, so with no prompt logprobs: ask for max_tokens 1 to score a prompt.)
+  int64_t prompt_logprobs = -1;
 };
+
+// Errors name the field (max_tokens, min_tokens, stop_ids, eos_ids, stop, logprobs,
+// prompt_logprobs, and the sampling fields of validate_sampling_params). vocab_size > 0 checks ids.
+Status validate_request_params(const RequestParams& params, int64_t vocab_size);
 
 // What one step did for one request.
 struct RequestUpdate {
   RequestId id = 0;
   std::vector<int32_t> new_tokens;  // sampled this step (at most one today)
   bool finished = false;
-  // "stop" (a stop id), "length" (max_tokens or the max model length), "abort", "error".
+  // "stop" (a stop or EOS id), "length" (max_tokens or the max model length), "abort", "error".
   std::string finish_reason;
   std::string error;  // why, when finish_reason is "error"
+  int32_t stop_token = -1;  // the id that matched, when finish_reason is "stop"
+  // [new_tokens.size()] when the request asked for logprobs.
+  std::vector<TokenLogprobs> logprobs;
+  // Prompt tokens prompt_logprobs_start, prompt_logprobs_start + 1, ... (position 0 has none),
+  // as the rows come through the forwards; empty when none came this step.
+  std::vector<TokenLogprobs> prompt_logprobs;
+  int64_t prompt_logprobs_start = 0;
 };
 
 class Engine {
@@ -55,7 +87,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
   ~Engine();
 
-  // Queues a request. Refused, naming what is wrong: bad sampling parameters, an empty prompt,
+  // Queues a request. Refused, naming what is wrong: bad request parameters
+  // (validate_request_params; min_tokens > 0 when every id is a stop or EOS id), an empty prompt,
   // token ids outside the vocabulary, a prompt of max_model_len tokens or more, a request the
   // whole pool could not hold.
   Result<RequestId> add_request(std::vector<int32_t> prompt, const RequestParams& params);
@@ -78,7 +111,22 @@ class Engine {
     Sampler sampler;
     int64_t n_output = 0;
     int32_t model_slot = -1;  // the model's state slot while running
+    // Prompt positions whose logprobs were reported (1 + the rows done; a preempted request
+    // recomputes its rows and reports none twice).
+    int64_t n_prompt_logprobs = 1;
+    std::vector<int32_t> stop_set;  // stop_ids, and eos_ids unless ignore_eos
   };
+  // One row's logits: what they are for.
+  struct LogitRow {
+    size_t chunk = 0;     // index in the step's plan
+    int64_t position = 0;  // in the sequence
+    bool samples = false;  // the chunk's last row (else a prompt row for prompt_logprobs)
+  };
+  // Uses one forward's logits [rows.size(), vocab]. A request with non-finite logits gets
+  // `failed` (finished after the step's forwards, which may still hold its rows).
+  Status use_logits(const StepPlan& plan, std::span<const LogitRow> rows, std::span<float> logits,
+                    std::vector<RequestUpdate>& updates, std::vector<std::string>& failed);
+  RequestUpdate& update_for(RequestId id, std::vector<RequestUpdate>& updates);
   Status release_slot(Request& request);
   Status finish(RequestId id, Request& request);
 
@@ -86,6 +134,7 @@ class Engine {
   Scheduler scheduler_;
   std::unordered_map<RequestId, Request> requests_;
   RequestId next_id_ = 0;
+  std::unordered_map<RequestId, size_t> update_index_;  // this step's update of each request
 };
 
 }  // namespace e4kv
