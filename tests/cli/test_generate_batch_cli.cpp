@@ -96,6 +96,49 @@ TEST_F(GenerateBatch, EveryLineGetsWhatItGetsAloneInInputOrder) {
   }
 }
 
+// A line's stop string ends it where the text alone holds it (the text before it is returned,
+// the stop string not); logprobs come per output token.
+TEST_F(GenerateBatch, StopStringsAndLogprobsPerLine) {
+  const std::vector<int32_t> ids = {40, 41, 42, 43, 44, 45};
+  const json want = alone(ids, {"--ignore-eos", "--max-tokens", "12"});
+  const std::string full = want["text"];
+  ASSERT_GE(full.size(), 6u) << full;
+  // A stop string from the middle of the text alone: one whole UTF-8 character starting at byte 2
+  // or later (its first occurrence decides).
+  auto continuation = [&](size_t i) { return (static_cast<unsigned char>(full[i]) & 0xC0) == 0x80; };
+  size_t begin = 2;
+  while (begin < full.size() && continuation(begin)) ++begin;
+  size_t end = begin + 1;
+  while (end < full.size() && continuation(end)) ++end;
+  ASSERT_LT(begin, full.size()) << full;
+  const std::string stop = full.substr(begin, end - begin);
+  const size_t at = full.find(stop);
+  json a = {{"token_ids", ids}, {"max_tokens", 12}, {"ignore_eos", true}, {"stop", stop}};
+  json b = {{"token_ids", ids}, {"max_tokens", 5}, {"ignore_eos", true}, {"logprobs", 2}};
+  const fs::path in = tmp_.path() / "prompts.jsonl";
+  const fs::path out = tmp_.path() / "out.jsonl";
+  write_text(in, a.dump() + "\n" + b.dump() + "\n");
+  RunResult r = run_cli(tmp_.path(), {"generate", model_.string(), "--prompts", in.string(),
+                                      "--out", out.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string text = read_text(out);
+  const json first = json::parse(text.substr(0, text.find('\n')));
+  const json second = json::parse(text.substr(text.find('\n') + 1));
+  EXPECT_EQ(first["text"], full.substr(0, at));
+  EXPECT_EQ(first["finish_reason"], "stop");
+  EXPECT_EQ(first["stop_reason"], stop);
+  ASSERT_EQ(second["logprobs"].size(), 5u);
+  for (size_t k = 0; k < 5; ++k) {
+    const json& e = second["logprobs"][k];
+    EXPECT_EQ(e["token_id"], second["output_ids"][k]);
+    EXPECT_LE(e["logprob"].get<double>(), 0.0);
+    ASSERT_EQ(e["top_logprobs"].size(), 2u);
+    // Greedy: the chosen token is the most probable one.
+    EXPECT_EQ(e["rank"], 1);
+    EXPECT_EQ(e["top_logprobs"][0]["token_id"], e["token_id"]);
+  }
+}
+
 TEST_F(GenerateBatch, BadLinesAndOutputsAreRefusedBeforeAnythingRuns) {
   const fs::path in = tmp_.path() / "prompts.jsonl";
   const fs::path out = tmp_.path() / "out.jsonl";

@@ -222,13 +222,13 @@ void add_generate_command(CLI::App& app, Status& result) {
                 "instead of streaming");
   cmd->add_option_function<std::string>(
       "--prompts", [args](const std::string& path) { args->prompts = path; },
-      "Batch mode: JSON lines of {\"text\"}, {\"token_ids\"} or {\"messages\"}, each with an "
-      "optional \"id\" and its own max_tokens, temperature, top_p, top_k, repetition_penalty, "
-      "seed, ignore_eos (the flags are the defaults); all submitted at once and continuously "
-      "batched");
+      cat("Batch mode: JSON lines of {\"text\"}, {\"token_ids\"} or {\"messages\"}, each with "
+          "its own sampling fields (", kBatchFieldsHelp, "; the flags are the defaults); all "
+          "submitted at once and continuously batched"));
   cmd->add_option("--out", args->out,
                   "Batch mode: JSON lines written here, one per prompt in input order: "
-                  "{\"id\", \"output_ids\", \"text\", \"finish_reason\", \"usage\"}");
+                  "{\"id\", \"output_ids\", \"text\", \"finish_reason\", \"stop_reason\", \"usage\", "
+                  "\"logprobs\", \"prompt_logprobs\"}");
   cmd->add_flag("--force", args->force, "Batch mode: replace an existing --out file");
   cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
                 kSpecialTokensInContentHelp);

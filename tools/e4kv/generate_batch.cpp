@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <limits>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +20,7 @@
 #include "core/json.h"
 #include "core/output_set.h"
 #include "engine/engine.h"
+#include "engine/output.h"
 #include "io/corpus.h"
 #include "io/generation_config.h"
 #include "prompt_source.h"
@@ -36,54 +39,134 @@ struct BatchRequest {
   RequestParams params;
 };
 
-// A line's own fields over the command's defaults. Unknown fields are refused (a misspelt
-// "max_token" must not be silently ignored).
-Status apply_fields(const json& fields, const std::string& where, RequestParams& params,
-                    bool& ignore_eos, json& id) {
+// A line's own fields over the command's defaults, by vLLM's names. Unknown fields are refused (a
+// misspelt "max_token" must not be silently ignored).
+Status apply_fields(const json& fields, const std::string& where, RequestParams& params, json& id) {
+  SamplingParams& sp = params.sampling;
   for (const auto& [key, value] : fields.items()) {
-    auto number = [&]() -> Result<double> {
-      if (!value.is_number()) return Status::error(cat(where, ": \"", key, "\" must be a number"));
-      return value.get<double>();
+    auto fail = [&](const std::string& what) {
+      return Status::error(cat(where, ": \"", key, "\" must be ", what, ", got ",
+                               json_excerpt(value)));
     };
-    auto integer = [&](int64_t lo, int64_t hi) -> Result<int64_t> {
+    auto number = [&](double& out) -> Status {
+      if (!value.is_number()) return fail("a number");
+      out = value.get<double>();
+      return ok_status();
+    };
+    auto integer = [&](int64_t& out, int64_t lo, int64_t hi) -> Status {
       if (!value.is_number_integer() || value.get<int64_t>() < lo || value.get<int64_t>() > hi) {
-        return Status::error(cat(where, ": \"", key, "\" must be an integer from ", lo, " to ", hi,
-                                 ", got ", json_excerpt(value)));
+        return fail(cat("an integer from ", lo, " to ", hi));
       }
-      return value.get<int64_t>();
+      out = value.get<int64_t>();
+      return ok_status();
     };
+    auto boolean = [&](bool& out) -> Status {
+      if (!value.is_boolean()) return fail("true or false");
+      out = value.get<bool>();
+      return ok_status();
+    };
+    constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+    Status st = ok_status();
     if (key == "id") {
       id = value;
     } else if (key == "max_tokens") {
-      E4KV_ASSIGN_OR_RETURN(params.max_tokens, integer(0, std::numeric_limits<int32_t>::max()));
+      st = integer(params.max_tokens, 0, kInt32Max);
+    } else if (key == "min_tokens") {
+      st = integer(params.min_tokens, 0, kInt32Max);
     } else if (key == "temperature") {
-      E4KV_ASSIGN_OR_RETURN(params.sampling.temperature, number());
+      st = number(sp.temperature);
     } else if (key == "top_p") {
-      E4KV_ASSIGN_OR_RETURN(params.sampling.top_p, number());
+      st = number(sp.top_p);
     } else if (key == "top_k") {
-      E4KV_ASSIGN_OR_RETURN(params.sampling.top_k,
-                            integer(-1, std::numeric_limits<int32_t>::max()));
+      st = integer(sp.top_k, -1, kInt32Max);
+    } else if (key == "min_p") {
+      st = number(sp.min_p);
     } else if (key == "repetition_penalty") {
-      E4KV_ASSIGN_OR_RETURN(params.sampling.repetition_penalty, number());
+      st = number(sp.repetition_penalty);
+    } else if (key == "presence_penalty") {
+      st = number(sp.presence_penalty);
+    } else if (key == "frequency_penalty") {
+      st = number(sp.frequency_penalty);
     } else if (key == "seed") {
-      if (!value.is_number_unsigned()) {
-        return Status::error(cat(where, ": \"seed\" must be an integer from 0 to 2^64 - 1"));
+      if (!value.is_number_unsigned()) return fail("an integer from 0 to 2^64 - 1");
+      sp.seed = value.get<uint64_t>();
+    } else if (key == "logit_bias") {
+      // OpenAI's shape: {"token id": bias}.
+      if (!value.is_object()) return fail("an object of \"token id\": bias");
+      sp.logit_bias.clear();
+      for (const auto& [token, bias] : value.items()) {
+        int64_t t = -1;
+        const auto [ptr, ec] = std::from_chars(token.data(), token.data() + token.size(), t);
+        if (ec != std::errc() || ptr != token.data() + token.size() || t < 0 || t > kInt32Max ||
+            !bias.is_number()) {
+          return fail("an object of \"token id\": bias");
+        }
+        sp.logit_bias[int32_t(t)] = bias.get<double>();
       }
-      params.sampling.seed = value.get<uint64_t>();
     } else if (key == "ignore_eos") {
-      if (!value.is_boolean()) return Status::error(cat(where, ": \"ignore_eos\" must be true or false"));
-      ignore_eos = value.get<bool>();
+      st = boolean(params.ignore_eos);
+    } else if (key == "stop") {
+      params.stop.clear();
+      if (value.is_string()) {
+        params.stop.push_back(value.get<std::string>());
+      } else if (value.is_array()) {
+        for (const json& v : value) {
+          if (!v.is_string()) return fail("a string or an array of strings");
+          params.stop.push_back(v.get<std::string>());
+        }
+      } else {
+        return fail("a string or an array of strings");
+      }
+    } else if (key == "stop_token_ids") {
+      if (!value.is_array()) return fail("an array of token ids");
+      params.stop_ids.clear();
+      for (const json& v : value) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kInt32Max) {
+          return fail("an array of token ids");
+        }
+        params.stop_ids.push_back(int32_t(v.get<int64_t>()));
+      }
+    } else if (key == "include_stop_str_in_output") {
+      st = boolean(params.include_stop_str_in_output);
+    } else if (key == "skip_special_tokens") {
+      st = boolean(params.skip_special_tokens);
+    } else if (key == "logprobs") {
+      st = integer(params.logprobs, 0, kMaxLogprobs);
+    } else if (key == "prompt_logprobs") {
+      st = integer(params.prompt_logprobs, 0, kMaxLogprobs);
     } else {
-      return Status::error(cat(where, ": unknown field \"", key,
-                               "\" (a line takes text, token_ids or messages, an id, and "
-                               "max_tokens, temperature, top_p, top_k, repetition_penalty, seed, "
-                               "ignore_eos)"));
+      return Status::error(cat(where, ": unknown field \"", key, "\" (", kBatchFieldsHelp, ")"));
     }
-  }
-  if (Status valid = validate_sampling_params(params.sampling); !valid.ok()) {
-    return Status::error(cat(where, ": ", valid.message()));
+    E4KV_RETURN_IF_ERROR(st);
   }
   return ok_status();
+}
+
+json logprobs_json(const std::vector<TokenLogprobs>& entries, const Tokenizer* tokenizer) {
+  json out = json::array();
+  auto token_text = [&](int32_t token) {
+    const int32_t one[1] = {token};
+    return tokenizer != nullptr ? json(tokenizer->decode(one, /*skip_special_tokens=*/false))
+                                : json(nullptr);
+  };
+  for (const TokenLogprobs& e : entries) {
+    json top = json::array();
+    for (const TokenLogprob& t : e.top) {
+      json item;
+      item["token_id"] = t.token;
+      item["token"] = token_text(t.token);
+      item["logprob"] = t.logprob;
+      top.push_back(std::move(item));
+    }
+    json entry;
+    entry["token_id"] = e.token;
+    entry["token"] = token_text(e.token);
+    entry["logprob"] = e.logprob;
+    entry["rank"] = e.rank;
+    entry["top_logprobs"] = std::move(top);
+    out.push_back(std::move(entry));
+  }
+  return out;
 }
 
 std::string duration_text(double seconds) {
@@ -125,9 +208,12 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     r.line = doc.line;
     r.params.max_tokens = args.max_tokens;
     r.params.sampling = args.sampling;
-    bool ignore_eos = args.ignore_eos;
-    E4KV_RETURN_IF_ERROR(apply_fields(doc.fields, where, r.params, ignore_eos, r.id));
-    if (!ignore_eos) r.params.stop_ids = eos_ids;
+    r.params.ignore_eos = args.ignore_eos;
+    r.params.eos_ids = eos_ids;
+    E4KV_RETURN_IF_ERROR(apply_fields(doc.fields, where, r.params, r.id));
+    if (Status valid = validate_request_params(r.params, vocab); !valid.ok()) {
+      return Status::error(cat(where, ": ", valid.message()));
+    }
     Result<std::vector<int32_t>> ids = source.ids(doc, vocab);
     if (!ids.ok()) return Status::error(cat(where, ": ", ids.message()));
     r.prompt = std::move(ids).value();
@@ -151,20 +237,33 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
   Engine engine(*loaded.model, {});
   const Tokenizer* tokenizer = nullptr;
   if (Result<const Tokenizer*> tok = source.tokenizer(); tok.ok()) tokenizer = *tok;
+  std::optional<OutputProcessor> processor;
+  if (tokenizer != nullptr) processor.emplace(*tokenizer);
 
   // Submitted at once, in file order; a line the engine refuses stops the command before any
   // runs (its message names the line).
   std::map<RequestId, size_t> index;
   for (size_t i = 0; i < requests.size(); ++i) {
+    if (!processor && !requests[i].params.stop.empty()) {
+      return Status::error(cat(args.prompts, ":", requests[i].line, ": \"stop\" strings need ",
+                               "the model's tokenizer.json to read the output as text"));
+    }
     Result<RequestId> id = engine.add_request(requests[i].prompt, requests[i].params);
     if (!id.ok()) {
       return Status::error(cat(args.prompts, ":", requests[i].line, ": ", id.message()));
     }
+    if (processor) processor->add_request(*id, requests[i].params);
     index[*id] = i;
   }
 
-  std::vector<std::vector<int32_t>> outputs(requests.size());
-  std::vector<std::string> reasons(requests.size());
+  struct Result_ {
+    std::vector<int32_t> ids;
+    std::string text;
+    std::string finish_reason;
+    json stop_reason;  // the stop string or token id that ended it (vLLM's stop_reason)
+    std::vector<TokenLogprobs> logprobs, prompt_logprobs;
+  };
+  std::vector<Result_> results(requests.size());
   const bool show = args.progress && isatty(fileno(stderr)) != 0;
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] {
@@ -174,15 +273,42 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
   int64_t generated = 0;
   while (engine.has_unfinished()) {
     E4KV_ASSIGN_OR_RETURN(const std::vector<RequestUpdate> updates, engine.step());
-    for (const RequestUpdate& u : updates) {
-      const size_t i = index.at(u.id);
-      outputs[i].insert(outputs[i].end(), u.new_tokens.begin(), u.new_tokens.end());
-      generated += int64_t(u.new_tokens.size());
-      if (!u.finished) continue;
-      if (u.finish_reason == "error") {
-        return Status::error(cat(args.prompts, ":", requests[i].line, ": ", u.error));
+    std::vector<RequestOutput> outputs;
+    if (processor) {
+      outputs = processor->process(updates, &engine);
+    } else {
+      for (const RequestUpdate& u : updates) {
+        RequestOutput o;
+        o.id = u.id;
+        o.new_tokens = u.new_tokens;
+        o.finished = u.finished;
+        o.finish_reason = u.finish_reason;
+        o.stop_token = u.stop_token;
+        o.error = u.error;
+        o.logprobs = u.logprobs;
+        o.prompt_logprobs = u.prompt_logprobs;
+        outputs.push_back(std::move(o));
       }
-      reasons[i] = u.finish_reason;
+    }
+    for (const RequestOutput& o : outputs) {
+      const size_t i = index.at(o.id);
+      Result_& r = results[i];
+      r.ids.insert(r.ids.end(), o.new_tokens.begin(), o.new_tokens.end());
+      r.text += o.new_text;
+      r.logprobs.insert(r.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+      r.prompt_logprobs.insert(r.prompt_logprobs.end(), o.prompt_logprobs.begin(),
+                               o.prompt_logprobs.end());
+      generated += int64_t(o.new_tokens.size());
+      if (!o.finished) continue;
+      if (o.finish_reason == "error") {
+        return Status::error(cat(args.prompts, ":", requests[i].line, ": ", o.error));
+      }
+      r.finish_reason = o.finish_reason;
+      if (!o.stop_string.empty()) {
+        r.stop_reason = o.stop_string;
+      } else if (o.stop_token >= 0) {
+        r.stop_reason = o.stop_token;
+      }
       ++done;
     }
     if (show) {
@@ -199,18 +325,22 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
   std::string text;
   int64_t prompt_tokens = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
+    const Result_& r = results[i];
     json line;
     if (!requests[i].id.is_null()) line["id"] = requests[i].id;
-    line["output_ids"] = outputs[i];
-    line["text"] = tokenizer != nullptr
-                       ? json(tokenizer->decode(outputs[i], /*skip_special_tokens=*/true))
-                       : json(nullptr);
-    line["finish_reason"] = reasons[i];
+    line["output_ids"] = r.ids;
+    line["text"] = processor ? json(r.text) : json(nullptr);
+    line["finish_reason"] = r.finish_reason;
+    line["stop_reason"] = r.stop_reason;
     const int64_t n_prompt = int64_t(requests[i].prompt.size());
     prompt_tokens += n_prompt;
     line["usage"] = {{"prompt_tokens", n_prompt},
-                     {"completion_tokens", outputs[i].size()},
-                     {"total_tokens", n_prompt + int64_t(outputs[i].size())}};
+                     {"completion_tokens", r.ids.size()},
+                     {"total_tokens", n_prompt + int64_t(r.ids.size())}};
+    if (requests[i].params.logprobs >= 0) line["logprobs"] = logprobs_json(r.logprobs, tokenizer);
+    if (requests[i].params.prompt_logprobs >= 0) {
+      line["prompt_logprobs"] = logprobs_json(r.prompt_logprobs, tokenizer);
+    }
     text += line.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
   }
   E4KV_RETURN_IF_ERROR(write_file_atomic(args.out, text));

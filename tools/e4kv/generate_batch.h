@@ -11,6 +11,13 @@
 
 namespace e4kv::cli {
 
+// The fields a prompts line may carry besides its document (vLLM's names).
+inline constexpr const char* kBatchFieldsHelp =
+    "a line takes text, token_ids or messages, an id, and max_tokens, min_tokens, temperature, "
+    "top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias, "
+    "seed, ignore_eos, stop, stop_token_ids, include_stop_str_in_output, skip_special_tokens, "
+    "logprobs, prompt_logprobs";
+
 struct BatchGenerateArgs {
   ModelFlags model;
   std::string prompts;  // JSON lines in calibrate's corpus formats, each with optional fields
