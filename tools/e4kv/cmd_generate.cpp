@@ -142,6 +142,7 @@ void add_generate_command(CLI::App& app, Status& result) {
       "generate", "Generate a continuation of one prompt (text streamed to stdout as it comes)");
   auto args = std::make_shared<GenerateArgs>();
   add_model_flags(cmd, args->model);
+  add_pool_flags(cmd, args->model);
   cmd->add_option_function<std::string>(
       "--prompt", [args](const std::string& text) { args->prompt = text; },
       "Prompt text (encoded with the model's tokenizer, special tokens added)");

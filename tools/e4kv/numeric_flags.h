@@ -32,6 +32,10 @@ namespace e4kv::cli {
 inline constexpr int64_t kMaxTokenCount = std::numeric_limits<int32_t>::max();
 // The most sequences --max-seqs reserves for (sequence ids are int32 too).
 inline constexpr int64_t kMaxSequences = std::numeric_limits<int32_t>::max();
+// The most bytes --kv-cache-memory-bytes takes (1 PiB: beyond any device's memory).
+inline constexpr int64_t kMaxPoolBytes = int64_t(1) << 50;
+// The most blocks a KV pool has (block ids are int32).
+inline constexpr int64_t kMaxPoolBlocks = std::numeric_limits<int32_t>::max();
 // The most CPU threads --threads takes (0 is one per hardware thread).
 inline constexpr int64_t kMaxThreads = 4096;
 
