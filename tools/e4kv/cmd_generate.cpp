@@ -186,6 +186,7 @@ void add_generate_command(CLI::App& app, Status& result) {
       "prompt of a file at once (--prompts FILE --out FILE, continuous batching)");
   auto args = std::make_shared<GenerateArgs>();
   add_model_flags(cmd, args->model);
+  add_pool_flags(cmd, args->model);
   cmd->add_option_function<std::string>(
       "--prompt", [args](const std::string& text) { args->prompt = text; },
       "Prompt text (encoded with the model's tokenizer, special tokens added)");

@@ -220,20 +220,15 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     requests.push_back(std::move(r));
   }
 
-  // A pool for the 64 largest requests at once (the default sequence limit): none is preempted
-  // unless a flag sizes the pool smaller.
-  std::vector<int64_t> totals;
+  // Without a pool flag, a pool for the 64 largest requests at once (the default sequence limit):
+  // none is preempted unless a flag sizes the pool smaller.
+  int64_t largest = 1;
   for (const BatchRequest& r : requests) {
-    totals.push_back(saturating_add(int64_t(r.prompt.size()), r.params.max_tokens));
-  }
-  std::sort(totals.begin(), totals.end(), std::greater<>());
-  int64_t pool_tokens = 0;
-  for (size_t i = 0; i < totals.size() && i < 64; ++i) {
-    pool_tokens = saturating_add(pool_tokens, totals[i]);
+    largest = std::max(largest, saturating_add(int64_t(r.prompt.size()), r.params.max_tokens));
   }
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
-                        load_model(args.model, pool_tokens, /*all_rows=*/0,
-                                   /*max_requests=*/std::min<int64_t>(64, int64_t(totals.size()))));
+                        load_model(args.model, largest, /*all_rows=*/0,
+                                   /*n_seqs=*/std::min<int64_t>(64, int64_t(requests.size()))));
   Engine engine(*loaded.model, {});
   const Tokenizer* tokenizer = nullptr;
   if (Result<const Tokenizer*> tok = source.tokenizer(); tok.ok()) tokenizer = *tok;
