@@ -128,9 +128,12 @@ Status run_generate(const GenerateArgs& args) {
     E4KV_ASSIGN_OR_RETURN(prompt, parse_id_list("--prompt-ids", *args.prompt_ids));
   }
 
-  E4KV_ASSIGN_OR_RETURN(
-      LoadedModel loaded,
-      load_model(args.model, saturating_add(static_cast<int64_t>(prompt.size()), args.max_tokens)));
+  // Every input is read before the model loads (a bad generation_config.json costs nothing).
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return Status::error(cat(args.model.model_dir,
+                             ": not a directory; MODEL is a Hugging Face model directory "
+                             "(config.json, *.safetensors)"));
+  }
   GenerateOptions options;
   options.max_tokens = args.max_tokens;
   options.sampling = sampling;
@@ -139,6 +142,9 @@ Status run_generate(const GenerateArgs& args) {
     E4KV_ASSIGN_OR_RETURN(options.stop_ids, load_eos_token_ids(dir));
     if (tokenizer && tokenizer->eos_id()) options.stop_ids.push_back(*tokenizer->eos_id());
   }
+  E4KV_ASSIGN_OR_RETURN(
+      LoadedModel loaded,
+      load_model(args.model, saturating_add(static_cast<int64_t>(prompt.size()), args.max_tokens)));
 
   std::optional<StreamingDecoder> decoder;
   if (tokenizer) decoder.emplace(*tokenizer, /*skip_special_tokens=*/true);
