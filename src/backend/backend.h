@@ -88,6 +88,13 @@ class BackendBuffer {
   size_t bytes_ = 0;
 };
 
+// The memory of a backend's device, the whole card's (other processes' allocations included).
+struct DeviceMemoryInfo {
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+  std::string device_name;  // the card's own name, e.g. "NVIDIA H100 80GB HBM3"
+};
+
 // One named section of a step profile (Backend::profile_begin): `count` marks, summed times.
 struct ProfileSection {
   std::string name;
@@ -125,6 +132,12 @@ class Backend {
   // ---- memory ----
   // `bytes` of backend memory, zero-filled. An error names the size when memory is short.
   virtual Result<BackendBuffer> allocate(size_t bytes) = 0;
+  // The device's free and total memory now, for sizing the KV pool by a utilization target
+  // (--gpu-memory-utilization). Errors where the backend has no device memory of its own: the CPU
+  // backend's memory is the host's, so the question is not applicable there.
+  virtual Result<DeviceMemoryInfo> device_memory() const {
+    return Status::error(cat(name(), ": device memory is not applicable to this backend"));
+  }
   // dst (backend) <- src (host). The host memory may be reused as soon as the call returns.
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
   // dst (host) <- src (backend), after every earlier op has finished.

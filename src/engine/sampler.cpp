@@ -6,7 +6,7 @@
 
 namespace e4kv {
 
-Status validate_sampling_params(const SamplingParams& params) {
+Status validate_sampling_params(const SamplingParams& params, int64_t vocab_size) {
   if (!std::isfinite(params.temperature) || params.temperature < 0.0) {
     return Status::option_error(
         "temperature", cat("must be a finite number >= 0 (0 = greedy), got ", params.temperature));
@@ -22,7 +22,94 @@ Status validate_sampling_params(const SamplingParams& params) {
                                 cat("must be a finite number > 0 (1 = off), got ",
                                     params.repetition_penalty));
   }
+  if (!(params.min_p >= 0.0 && params.min_p <= 1.0)) {
+    return Status::option_error("min_p", cat("must be in [0, 1] (0 = off), got ", params.min_p));
+  }
+  if (!(params.presence_penalty >= -2.0 && params.presence_penalty <= 2.0)) {
+    return Status::option_error("presence_penalty",
+                                cat("must be in [-2, 2] (0 = off), got ", params.presence_penalty));
+  }
+  if (!(params.frequency_penalty >= -2.0 && params.frequency_penalty <= 2.0)) {
+    return Status::option_error(
+        "frequency_penalty", cat("must be in [-2, 2] (0 = off), got ", params.frequency_penalty));
+  }
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (id < 0 || (vocab_size > 0 && id >= vocab_size)) {
+      return Status::option_error(
+          "logit_bias", cat("token id ", id, " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+    if (!(bias >= -100.0 && bias <= 100.0)) {
+      return Status::option_error("logit_bias",
+                                  cat("the bias of token id ", id, " must be in [-100, 100], got ",
+                                      bias));
+    }
+  }
   return ok_status();
+}
+
+void process_logits(std::span<float> logits, const SamplingParams& params,
+                    std::span<const int32_t> prompt, std::span<const int32_t> output,
+                    std::span<const int32_t> suppress) {
+  const size_t vocab = logits.size();
+  auto in_vocab = [vocab](int32_t id) { return id >= 0 && size_t(id) < vocab; };
+  for (int32_t id : suppress) {
+    if (in_vocab(id)) logits[size_t(id)] = -INFINITY;
+  }
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (in_vocab(id)) logits[size_t(id)] += static_cast<float>(bias);
+  }
+  if (params.repetition_penalty != 1.0) {
+    apply_repetition_penalty(logits, prompt, params.repetition_penalty);
+    // Ids of the output not in the prompt: the penalty applies once per distinct id.
+    std::vector<int32_t> fresh;
+    std::vector<bool> in_prompt(vocab, false);
+    for (int32_t id : prompt) {
+      if (in_vocab(id)) in_prompt[size_t(id)] = true;
+    }
+    for (int32_t id : output) {
+      if (in_vocab(id) && !in_prompt[size_t(id)]) fresh.push_back(id);
+    }
+    apply_repetition_penalty(logits, fresh, params.repetition_penalty);
+  }
+  if (params.presence_penalty != 0.0 || params.frequency_penalty != 0.0) {
+    std::vector<int64_t> count(vocab, 0);
+    for (int32_t id : output) {
+      if (in_vocab(id)) count[size_t(id)] += 1;
+    }
+    const float presence = static_cast<float>(params.presence_penalty);
+    const float frequency = static_cast<float>(params.frequency_penalty);
+    for (size_t i = 0; i < vocab; ++i) {
+      if (count[i] == 0) continue;
+      logits[i] -= frequency * static_cast<float>(count[i]);
+      logits[i] -= presence;
+    }
+  }
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int64_t n) {
+  double max_logit = -INFINITY;
+  for (float logit : logits) max_logit = std::max(max_logit, double(logit));
+  double total = 0.0;
+  for (float logit : logits) total += std::exp(double(logit) - max_logit);
+  const double log_total = max_logit + std::log(total);
+  TokenLogprobs out;
+  out.token = token;
+  out.logprob = double(logits[size_t(token)]) - log_total;
+  out.rank = 1;
+  for (float logit : logits) out.rank += logit > logits[size_t(token)] ? 1 : 0;
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  const size_t k = std::min(size_t(std::max<int64_t>(n, 0)), order.size());
+  std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(k), order.end(),
+                    [&](int32_t a, int32_t b) {
+                      return logits[size_t(a)] != logits[size_t(b)]
+                                 ? logits[size_t(a)] > logits[size_t(b)]
+                                 : a < b;
+                    });
+  for (size_t i = 0; i < k; ++i) {
+    out.top.push_back({order[i], double(logits[size_t(order[i])]) - log_total});
+  }
+  return out;
 }
 
 void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> seen,
@@ -62,11 +149,17 @@ std::vector<TokenProbability> sampling_distribution(std::span<const float> logit
     total += p;
   }
   for (TokenProbability& t : dist) t.probability /= total;
+  // -inf logits (suppressed ids) have probability 0 and are never drawn.
+  std::erase_if(dist, [](const TokenProbability& t) { return !(t.probability > 0.0); });
   // Decreasing probability, lower index first among equals: a total order, so the result does
   // not depend on the sort algorithm.
   std::sort(dist.begin(), dist.end(), [](const TokenProbability& a, const TokenProbability& b) {
     return a.probability != b.probability ? a.probability > b.probability : a.token < b.token;
   });
+  if (params.min_p > 0.0 && !dist.empty()) {
+    const double threshold = params.min_p * dist.front().probability;
+    std::erase_if(dist, [&](const TokenProbability& t) { return t.probability < threshold; });
+  }
   if (params.top_k > 0 && static_cast<size_t>(params.top_k) < dist.size()) {
     dist.resize(static_cast<size_t>(params.top_k));
   }

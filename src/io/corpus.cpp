@@ -150,6 +150,9 @@ Result<CorpusDocument> parse_document(const json& value, const std::string& sour
     doc.kind = CorpusKind::kMessages;
     doc.messages = messages;
   }
+  for (const auto& [key, field] : value.items()) {
+    if (key != "text" && key != "token_ids" && key != "messages") doc.fields[key] = field;
+  }
   return doc;
 }
 

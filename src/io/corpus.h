@@ -31,6 +31,9 @@ struct CorpusDocument {
   std::string text;                 // kText
   std::vector<int32_t> token_ids;   // kTokenIds (each >= 0; the vocabulary is checked later)
   nlohmann::ordered_json messages;  // kMessages: a non-empty array of messages (checked as above)
+  // The line's other keys, unchecked (an object, empty when none): `generate --prompts` reads a
+  // request's own sampling fields here.
+  nlohmann::ordered_json fields = nlohmann::ordered_json::object();
 };
 
 // Every error names `source` and the line: invalid JSON, not an object, none or several of the

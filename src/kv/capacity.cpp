@@ -1,6 +1,7 @@
 #include "kv/capacity.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #include "core/check.h"
@@ -154,6 +155,63 @@ Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCa
       static_cast<double>(budget_bytes) / static_cast<double>(out.bytes_per_request);
   out.max_requests = budget_bytes / out.bytes_per_request;
   return out;
+}
+
+Result<KvPoolSummary> kv_pool_summary(const KvCacheLayout& layout, KvCacheDtype dtype,
+                                      int64_t n_blocks, int64_t max_model_len) {
+  E4KV_ASSERT(n_blocks >= 0 && max_model_len > 0, "kv_pool_summary: bad sizes");
+  KvPoolSummary out;
+  out.n_blocks = n_blocks;
+  const std::optional<int64_t> tokens = checked_mul(n_blocks, layout.block_size);
+  const std::optional<int64_t> bytes = checked_mul(n_blocks, layout.block_bytes(dtype));
+  if (!tokens || !bytes) {
+    return Status::error(cat("a KV pool of ", n_blocks, " blocks of ", layout.block_size,
+                             " tokens needs more than 2^63 bytes"));
+  }
+  out.n_tokens = *tokens;
+  out.pool_bytes = *bytes;
+  // Whole FP16 blocks, as the pool is made of whole blocks; never more tokens than the pool's own
+  // (an FP16 block is never smaller).
+  out.fp16_equivalent_tokens =
+      out.pool_bytes / layout.block_bytes(KvCacheDtype::kF16) * layout.block_size;
+  out.max_concurrency = static_cast<double>(n_blocks) /
+                        static_cast<double>(blocks_for_tokens(max_model_len, layout.block_size));
+  return out;
+}
+
+Status check_pool_holds_max_model_len(int64_t n_blocks, int64_t block_size, int64_t max_model_len,
+                                      const std::string& source) {
+  const std::optional<int64_t> tokens = checked_mul(n_blocks, block_size);
+  if (tokens && *tokens >= max_model_len) return ok_status();
+  return Status::error(cat(source, ": the KV cache pool holds ", n_blocks, " blocks of ",
+                           block_size, " tokens = ", tokens.value_or(0),
+                           " tokens, fewer than the max model length of ", max_model_len,
+                           ", so a sequence of that length could never finish; give the pool "
+                           "more memory or lower --max-model-len"));
+}
+
+Result<int64_t> kv_budget_for_utilization(int64_t total_bytes, double utilization,
+                                          int64_t used_bytes, int64_t pool_bytes_in_use) {
+  if (!(utilization > 0.0 && utilization <= 1.0)) {
+    return Status::error(cat("expected a fraction in (0, 1], got ", utilization));
+  }
+  if (total_bytes <= 0 || used_bytes < 0 || used_bytes > total_bytes || pool_bytes_in_use < 0 ||
+      pool_bytes_in_use > used_bytes) {
+    return Status::error(cat("inconsistent device memory figures: total ", total_bytes,
+                             " bytes, used ", used_bytes, " bytes, of which KV pool ",
+                             pool_bytes_in_use, " bytes"));
+  }
+  // Rounded down: the target is a ceiling.
+  const auto target = static_cast<int64_t>(
+      std::floor(static_cast<long double>(utilization) * static_cast<long double>(total_bytes)));
+  const int64_t besides_pool = used_bytes - pool_bytes_in_use;
+  if (besides_pool >= target) {
+    return Status::error(cat(utilization, " of the device's ", total_bytes, " bytes is ", target,
+                             " bytes, but the weights, workspaces and activation peak (and any "
+                             "other process on the device) already take ",
+                             besides_pool, " bytes; raise it or free the device"));
+  }
+  return target - besides_pool;
 }
 
 }  // namespace e4kv

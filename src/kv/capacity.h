@@ -86,4 +86,40 @@ struct RequestConcurrency {
 Result<RequestConcurrency> request_concurrency(const KvCacheLayout& layout, KvCacheDtype dtype,
                                                int64_t budget_bytes, int64_t request_tokens);
 
+
+// What a KV pool of n_blocks holds, for the start-up line of a serving run.
+struct KvPoolSummary {
+  int64_t n_blocks = 0;
+  int64_t n_tokens = 0;  // n_blocks * block_size
+  int64_t pool_bytes = 0;  // n_blocks * block_bytes(dtype)
+  // What the same bytes hold as an FP16 cache: whole FP16 blocks, in tokens (the pool's own
+  // n_tokens for an FP16 cache).
+  int64_t fp16_equivalent_tokens = 0;
+  // Sequences of max_model_len tokens the blocks hold at once: n_blocks / ceil(max_model_len /
+  // block_size) (vLLM's "Maximum concurrency for N tokens per request"). Blocks only: the state
+  // slots of a hybrid model are reserved for every running sequence anyway.
+  double max_concurrency = 0.0;
+};
+
+// The summary of a pool of n_blocks (>= 0) for sequences of max_model_len (> 0) tokens. Error when
+// the pool's bytes do not fit in int64.
+Result<KvPoolSummary> kv_pool_summary(const KvCacheLayout& layout, KvCacheDtype dtype,
+                                      int64_t n_blocks, int64_t max_model_len);
+
+// A pool must hold one sequence of max_model_len tokens, or a request of that length could never
+// finish (vLLM refuses such a configuration at start-up too). The error says both sizes and what
+// to change; `source` names what sized the pool (a flag).
+Status check_pool_holds_max_model_len(int64_t n_blocks, int64_t block_size, int64_t max_model_len,
+                                      const std::string& source);
+
+// The bytes the KV pool (blocks and per-sequence states) may take under a device-memory
+// utilization target (vLLM's --gpu-memory-utilization): utilization * total_bytes minus what the
+// process holds besides its pool. used_bytes is the device's used memory (total - free) after a
+// memory-profiling forward at the largest step, with a provisional pool of pool_bytes_in_use
+// (blocks and states) allocated: weights, workspaces and the activation peak are what remains.
+// Errors: utilization outside (0, 1], sizes that are negative or inconsistent, and a target that
+// the weights and activations alone already exceed (the message gives both figures).
+Result<int64_t> kv_budget_for_utilization(int64_t total_bytes, double utilization,
+                                          int64_t used_bytes, int64_t pool_bytes_in_use);
+
 }  // namespace e4kv

@@ -73,6 +73,7 @@ class DenseModel final : public Model {
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
   Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
+  Status begin_sequence(int32_t slot) override { return slots_.acquire(slot); }
   Status free_sequence(int32_t slot) override { return slots_.release(slot); }
 
   Status start_kv_statistics() override {

@@ -151,6 +151,9 @@ class Model {
   // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs
   // holds one; free it when the sequence ends. Errors when every slot is taken.
   virtual Result<int32_t> allocate_sequence() = 0;
+  // The same for a slot the caller chose (the engine's scheduler owns the slot numbers). Errors for
+  // a slot out of range or in use.
+  virtual Status begin_sequence(int32_t slot) = 0;
   virtual Status free_sequence(int32_t slot) = 0;
 
   // Calibration (DESIGN.md section 6). After start_kv_statistics(), the cache writes of every

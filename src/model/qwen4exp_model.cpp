@@ -309,6 +309,17 @@ std::vector<std::string> Qwen4ExpModel::load_notes() const {
 
 Result<int32_t> Qwen4ExpModel::allocate_sequence() {
   E4KV_ASSIGN_OR_RETURN(const int32_t slot, slots_.allocate());
+  reset_state(slot);
+  return slot;
+}
+
+Status Qwen4ExpModel::begin_sequence(int32_t slot) {
+  E4KV_RETURN_IF_ERROR(slots_.acquire(slot));
+  reset_state(slot);
+  return ok_status();
+}
+
+void Qwen4ExpModel::reset_state(int32_t slot) {
   Backend& b = *backend_;
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerMemory& mem = memory_[i];
@@ -322,7 +333,6 @@ Result<int32_t> Qwen4ExpModel::allocate_sequence() {
                      *config_.qwen4exp->eos_token_id);
     }
   }
-  return slot;
 }
 
 Status Qwen4ExpModel::free_sequence(int32_t slot) {

@@ -64,6 +64,7 @@ class Qwen4ExpModel final : public Model {
 
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
   Result<int32_t> allocate_sequence() override;
+  Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
 
   // Tensors of the checkpoint the text model does not run (vision tower, MTP head), skipped.
@@ -81,6 +82,9 @@ class Qwen4ExpModel final : public Model {
   void stop_kv_statistics() override { kv_stats_.stop(); }
 
  private:
+  // Zero states, an EOS-filled n-gram history: a slot as a new sequence finds it.
+  void reset_state(int32_t slot);
+
   struct Layer {
     std::optional<PleBlock> ple;
     HyperConnection attn_hc;

@@ -20,6 +20,17 @@ Result<int32_t> SequenceSlots::allocate() {
                       "more sequences"));
 }
 
+Status SequenceSlots::acquire(int32_t slot) {
+  if (slot < 0 || size_t(slot) >= tokens_.size()) {
+    return Status::error(cat("sequence slot ", slot, " is outside [0, ", tokens_.size(), ")"));
+  }
+  if (tokens_[size_t(slot)] >= 0) return Status::error(cat("sequence slot ", slot, " is in use"));
+  tokens_[size_t(slot)] = 0;
+  poisoned_[size_t(slot)] = 0;
+  ++n_in_use_;
+  return ok_status();
+}
+
 Status SequenceSlots::release(int32_t slot) {
   if (!valid(slot)) return Status::error(cat("sequence slot ", slot, " is not in use"));
   tokens_[size_t(slot)] = -1;

@@ -21,6 +21,9 @@ class SequenceSlots {
 
   // The lowest free slot, marked in use with 0 tokens seen. Errors when every slot is taken.
   Result<int32_t> allocate();
+  // Marks the free slot `slot` in use with 0 tokens seen (the engine's scheduler chooses slots).
+  // Errors for a slot out of range or in use.
+  Status acquire(int32_t slot);
   // Returns `slot` to the pool. Errors for a slot that is not in use.
   Status release(int32_t slot);
 

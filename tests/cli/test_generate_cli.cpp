@@ -126,8 +126,8 @@ TEST_F(GenerateCli, BadFlagsGiveClearErrors) {
   expect_error(run({"generate", "--prompt", "x", "--kv-cache-dtype", "fp4"}), "--kv-cache-dtype");
   expect_error(run({"generate", "--prompt", "x", "--kv-scales", "guess"}), "--kv-scales");
   expect_error(run({"generate", "--prompt", "x", "--prompt-ids", "1"}),
-               "exactly one of --prompt TEXT and --prompt-ids");
-  expect_error(run({"generate"}), "exactly one of --prompt TEXT and --prompt-ids");
+               "exactly one of --prompt TEXT, --prompt-ids 1,2,3 and --prompts FILE.jsonl");
+  expect_error(run({"generate"}), "exactly one of --prompt TEXT, --prompt-ids 1,2,3 and --prompts FILE.jsonl");
   expect_error(run({"generate", "--prompt-ids", "1,99999"}),
                "prompt token 1 is id 99999, outside the model's vocabulary [0, 256)");
   expect_error(run({"generate", "--prompt-ids", "1,x"}), "--prompt-ids");

@@ -66,7 +66,13 @@ struct CommandSpec {
   std::vector<std::string> (*base)(const Paths&) = nullptr;
   // Every numeric flag with a small valid value; the flag under test gets the hostile value.
   std::vector<std::pair<std::string, std::string>> numeric_flags;
+  // Flags that exclude one another (the KV pool's sizes): each is on the line only when it is the
+  // flag under test.
+  std::set<std::string> alone;
 };
+
+const std::set<std::string> kPoolFlags = {"--kv-cache-memory-bytes", "--num-gpu-blocks-override",
+                                          "--gpu-memory-utilization"};
 
 const std::vector<CommandSpec>& commands() {
   static const std::vector<CommandSpec> specs = {
@@ -85,7 +91,29 @@ const std::vector<CommandSpec>& commands() {
         {"--top-k", "0"},
         {"--repetition-penalty", "1"},
         {"--seed", "0"},
-        {"--prefill-chunk", "0"}}},
+        {"--prefill-chunk", "0"},
+        {"--kv-cache-memory-bytes", "65536"},
+        {"--num-gpu-blocks-override", "8"},
+        {"--gpu-memory-utilization", "0.5"}},
+       kPoolFlags},
+      {"bench",
+       Output::kDirectory,
+       false,
+       [](const Paths& p) -> std::vector<std::string> {
+         return {"bench",     p.llama.string(), "--concurrency", "1",     "--context",
+                 "8",         "--kv-cache-dtype", "fp16",        "--out", p.out.string(),
+                 "--no-progress"};
+       },
+       {{"--block-size", "16"},
+        {"--max-model-len", "64"},
+        {"--threads", "1"},
+        {"--output-tokens", "2"},
+        {"--repeats", "1"},
+        {"--seed", "0"},
+        {"--kv-cache-memory-bytes", "65536"},
+        {"--num-gpu-blocks-override", "8"},
+        {"--gpu-memory-utilization", "0.5"}},
+       kPoolFlags},
       {"logits",
        Output::kNone,
        false,
@@ -194,6 +222,14 @@ const std::map<std::pair<std::string, std::string>, std::set<std::string>>& vali
     v[{"generate", "--prefill-chunk"}] = {"0"};
     // 0 sequences: no QSA raw ring is reserved before blocks are counted.
     v[{"capacity", "--max-seqs"}] = {"0"};
+    // 2 GiB is a pool like any other (2^53 bytes and more are beyond --kv-cache-memory-bytes'
+    // range; --num-gpu-blocks-override stops at 2^31 - 1 blocks; --gpu-memory-utilization is
+    // refused on the CPU whatever its value).
+    v[{"generate", "--kv-cache-memory-bytes"}] = {"2147483648"};
+    v[{"bench", "--kv-cache-memory-bytes"}] = {"2147483648"};
+    v[{"bench", "--max-model-len"}] = {"0"};
+    v[{"bench", "--threads"}] = {"0"};
+    v[{"bench", "--seed"}] = zero_and_large;
     v[{"calibrate", "--max-model-len"}] = {"0"};
     v[{"compare", "--max-model-len"}] = {"0"};
     v[{"calibrate", "--threads"}] = {"0"};
@@ -284,6 +320,7 @@ TEST_P(HostileFlags, RefusedWithOneLineOrAcceptedWhenValid) {
     paths.out = case_dir / (command.output == Output::kFile ? "out.jsonl" : "out");
     std::vector<std::string> args = command.base(paths);
     for (const auto& [name, default_value] : command.numeric_flags) {
+      if (name != flag && command.alone.contains(name)) continue;
       args.push_back(name);
       args.push_back(name == flag ? value : default_value);
     }

@@ -1,8 +1,11 @@
-// The sampler: greedy tie-break, seeded reproducibility, top-k / top-p distributions computed by
-// hand, and draw frequencies.
+// The sampler: greedy tie-break, seeded reproducibility, top-k / top-p / min-p distributions
+// computed by hand, draw frequencies, the logit processing (bias, penalties, suppression) on exact
+// binary fractions, log-probabilities against log_softmax in double, and validation.
 #include "engine/sampler.h"
 
 #include <gtest/gtest.h>
+
+#include "engine/engine.h"
 
 #include <cmath>
 #include <limits>
@@ -167,6 +170,159 @@ TEST(Sampler, RepetitionPenaltyRescalesSeenLogitsOnce) {
   std::vector<float> third{1.0f};
   apply_repetition_penalty(third, std::vector<int32_t>{0}, 3.0);
   EXPECT_EQ(third[0], 1.0f / 3.0f);
+}
+
+// Every step on values exact in binary: suppression, then the bias, then the repetition penalty
+// (so a logit the bias made positive is divided), then the output-only penalties.
+TEST(Sampler, ProcessLogitsAppliesBiasPenaltiesAndSuppressionInVllmOrder) {
+  std::vector<float> logits{2.0f, -1.0f, 0.5f, 3.0f, 0.0f, -0.75f};
+  SamplingParams params;
+  params.logit_bias = {{1, 2.0}, {4, -0.5}};
+  params.repetition_penalty = 2.0;
+  params.frequency_penalty = 0.25;
+  params.presence_penalty = 0.5;
+  const std::vector<int32_t> prompt{0, 1, 0};
+  const std::vector<int32_t> output{3, 3, 2, 99};
+  const std::vector<int32_t> suppress{2, -1};
+  process_logits(logits, params, prompt, output, suppress);
+  // 0: prompt only -> 2 / 2, no presence or frequency penalty (output tokens only).
+  // 1: -1 + 2 = 1 (bias first) -> 1 / 2.
+  // 2: suppressed -> -inf whatever follows.
+  // 3: 3 / 2 (repetition, once though seen twice) - 0.25 * 2 (frequency) - 0.5 (presence).
+  // 4: bias only. 5: untouched.
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(logits, (std::vector<float>{1.0f, 0.5f, -inf, 0.5f, -0.5f, -0.75f}));
+
+  // Negative penalties encourage repetition: + 0.5 per occurrence + 1.
+  std::vector<float> more{0.0f, 0.0f};
+  params = {};
+  params.frequency_penalty = -0.5;
+  params.presence_penalty = -1.0;
+  process_logits(more, params, std::vector<int32_t>{0}, std::vector<int32_t>{1, 1, 1});
+  EXPECT_EQ(more, (std::vector<float>{0.0f, 2.5f}));
+}
+
+TEST(Sampler, MinPKeepsTokensAboveAFractionOfTheLargestAfterTemperature) {
+  const std::vector<float> logits = log_probs({0.5, 0.25, 0.125, 0.0625, 0.0625});
+  SamplingParams params;
+  params.temperature = 1.0;
+  params.min_p = 0.2;  // threshold 0.1: 0.5, 0.25, 0.125 stay
+  expect_distribution(sampling_distribution(logits, params),
+                      {{0, 4.0 / 7.0}, {1, 2.0 / 7.0}, {2, 1.0 / 7.0}}, logits);
+  params.min_p = 0.3;  // threshold 0.15
+  expect_distribution(sampling_distribution(logits, params), {{0, 2.0 / 3.0}, {1, 1.0 / 3.0}},
+                      logits);
+  // After temperature 0.5 the probabilities are p^2 / 0.3359375: 0.744, 0.186, 0.0465, ...; the
+  // threshold 0.2 * 0.744 keeps two tokens (0.25 : 0.0625 -> 0.8, 0.2).
+  params.temperature = 0.5;
+  params.min_p = 0.2;
+  expect_distribution(sampling_distribution(logits, params), {{0, 0.8}, {1, 0.2}}, logits, 0.5);
+  // min_p before top-p: top-p renormalises over the three min_p kept (4/7 < 0.6 <= 6/7).
+  params.temperature = 1.0;
+  params.top_p = 0.6;
+  expect_distribution(sampling_distribution(logits, params), {{0, 2.0 / 3.0}, {1, 1.0 / 3.0}},
+                      logits);
+  params.min_p = 1.0;  // only the most probable
+  params.top_p = 1.0;
+  expect_distribution(sampling_distribution(logits, params), {{0, 1.0}}, logits);
+}
+
+TEST(Sampler, SuppressedTokensAreNeverDrawn) {
+  std::vector<float> logits{0.0f, 0.0f, 0.0f, 0.0f};
+  process_logits(logits, SamplingParams{}, {}, {}, std::vector<int32_t>{1, 2});
+  SamplingParams params;
+  params.temperature = 1.0;
+  expect_distribution(sampling_distribution(logits, params), {{0, 0.5}, {3, 0.5}}, logits);
+  Sampler sampler(params);
+  std::vector<int> counts(4, 0);
+  for (int i = 0; i < 2000; ++i) ++counts[size_t(sampler.sample(logits))];
+  EXPECT_EQ(counts[1] + counts[2], 0);
+  EXPECT_GT(counts[0], 800);
+  EXPECT_GT(counts[3], 800);
+}
+
+// log_softmax computed here directly in double: log(exp(l_t) / sum_j exp(l_j)).
+TEST(Sampler, TokenLogprobsAreLogSoftmaxWithRankAndTopN) {
+  const std::vector<float> logits{1.0f, 3.0f, 3.0f, -2.0f, 0.5f};
+  double total = 0.0;
+  for (float l : logits) total += std::exp(double(l));
+  auto want = [&](int32_t t) { return std::log(std::exp(double(logits[size_t(t)])) / total); };
+  const TokenLogprobs a = token_logprobs(logits, 0, 3);
+  EXPECT_EQ(a.token, 0);
+  EXPECT_NEAR(a.logprob, want(0), 1e-12);
+  EXPECT_EQ(a.rank, 3);  // two tokens are more probable
+  ASSERT_EQ(a.top.size(), 3u);
+  EXPECT_EQ(a.top[0].token, 1);  // the tie: lower index first
+  EXPECT_EQ(a.top[1].token, 2);
+  EXPECT_EQ(a.top[2].token, 0);
+  for (const TokenLogprob& t : a.top) EXPECT_NEAR(t.logprob, want(t.token), 1e-12);
+  const TokenLogprobs b = token_logprobs(logits, 2, 0);
+  EXPECT_EQ(b.rank, 1);
+  EXPECT_TRUE(b.top.empty());
+  EXPECT_NEAR(b.logprob, want(2), 1e-12);
+  // Large logits do not overflow: shifted by their maximum.
+  const std::vector<float> big{1000.0f, 1000.0f};
+  EXPECT_NEAR(token_logprobs(big, 1, 2).logprob, std::log(0.5), 1e-12);
+  EXPECT_EQ(token_logprobs(big, 1, 5).top.size(), 2u);
+}
+
+TEST(Sampler, ValidatesEveryNewFieldByName) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (double bad : {-0.1, 1.5, nan}) {
+    SamplingParams params;
+    params.min_p = bad;
+    EXPECT_EQ(validate_sampling_params(params).option(), "min_p") << bad;
+  }
+  for (double bad : {2.5, -2.01, nan}) {
+    SamplingParams params;
+    params.presence_penalty = bad;
+    EXPECT_EQ(validate_sampling_params(params).option(), "presence_penalty") << bad;
+    params = {};
+    params.frequency_penalty = bad;
+    EXPECT_EQ(validate_sampling_params(params).option(), "frequency_penalty") << bad;
+  }
+  SamplingParams params;
+  params.presence_penalty = -2.0;
+  params.frequency_penalty = 2.0;
+  params.min_p = 1.0;
+  params.logit_bias = {{4, 100.0}, {0, -100.0}};
+  EXPECT_TRUE(validate_sampling_params(params, 5).ok());
+  params.logit_bias = {{5, 1.0}};
+  EXPECT_EQ(validate_sampling_params(params, 5).option(), "logit_bias");
+  EXPECT_NE(validate_sampling_params(params, 5).message().find("token id 5"), std::string::npos);
+  params.logit_bias = {{-1, 1.0}};
+  EXPECT_EQ(validate_sampling_params(params).option(), "logit_bias");
+  for (double bad : {100.5, -101.0, nan}) {
+    params.logit_bias = {{1, bad}};
+    EXPECT_EQ(validate_sampling_params(params, 5).option(), "logit_bias") << bad;
+  }
+
+  RequestParams request;
+  EXPECT_TRUE(validate_request_params(request, 10).ok());
+  request.max_tokens = 4;
+  request.min_tokens = 5;
+  EXPECT_EQ(validate_request_params(request, 10).option(), "min_tokens");
+  request.min_tokens = -1;
+  EXPECT_EQ(validate_request_params(request, 10).option(), "min_tokens");
+  request = {};
+  request.stop_ids = {3, 10};
+  EXPECT_EQ(validate_request_params(request, 10).option(), "stop_ids");
+  request = {};
+  request.eos_ids = {-1};
+  EXPECT_EQ(validate_request_params(request, 10).option(), "eos_ids");
+  request = {};
+  request.stop = {"ok", ""};
+  EXPECT_EQ(validate_request_params(request, 10).option(), "stop");
+  request = {};
+  request.logprobs = 21;
+  EXPECT_EQ(validate_request_params(request, 10).option(), "logprobs");
+  request.logprobs = 20;
+  request.prompt_logprobs = -2;
+  EXPECT_EQ(validate_request_params(request, 10).option(), "prompt_logprobs");
+  request.prompt_logprobs = 0;
+  EXPECT_TRUE(validate_request_params(request, 10).ok());
+  request.sampling.min_p = 2.0;
+  EXPECT_EQ(validate_request_params(request, 10).option(), "min_p");
 }
 
 }  // namespace

@@ -235,45 +235,6 @@ Status isolated_pass(std::span<const int32_t> ids, int64_t chunk, Runner& ref_ru
   return ok_status();
 }
 
-// A comma-separated list of whole numbers in [lo, hi] ("1k" = 1024 where allow_k); errors name the
-// flag, the item and the range.
-Result<std::vector<int64_t>> parse_list(const std::string& flag, const std::string& text,
-                                        bool allow_k, int64_t lo, int64_t hi,
-                                        const std::string& what) {
-  std::vector<int64_t> out;
-  size_t begin = 0;
-  while (begin <= text.size()) {
-    const size_t end = std::min(text.find(',', begin), text.size());
-    std::string item = text.substr(begin, end - begin);
-    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
-    while (!item.empty() && item.back() == ' ') item.pop_back();
-    const std::string shown = flag_text_for_message(item);
-    int64_t scale = 1;
-    if (allow_k && !item.empty() && (item.back() == 'k' || item.back() == 'K')) {
-      scale = 1024;
-      item.pop_back();
-    }
-    const bool negative = !item.empty() && item[0] == '-';
-    const bool digits = item.size() > (negative ? 1u : 0u) &&
-                        item.find_first_not_of("0123456789", negative ? 1 : 0) == std::string::npos;
-    if (!digits) {
-      return Status::error(cat(flag, ": \"", shown, "\" is not ", what,
-                               "; expected a comma-separated list of whole numbers from ", lo, " to ",
-                               hi, allow_k ? " (1k = 1024)" : ""));
-    }
-    int64_t v = 0;
-    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-    const bool in_range = ec == std::errc() && ptr == item.data() + item.size() &&
-                          v >= lo / scale && v <= hi / scale;
-    if (!in_range || v * scale < lo) {
-      return Status::error(cat(flag, ": ", shown, " is outside ", lo, " to ", hi, " (", what, ")"));
-    }
-    out.push_back(v * scale);
-    begin = end + 1;
-  }
-  return out;
-}
-
 // A passkey prompt of about `context` tokens: filler text with the key's sentence at `depth`
 // percent, then the question. The key is 5 digits from `trial`.
 struct PasskeyPrompt {

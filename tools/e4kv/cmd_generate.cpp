@@ -1,5 +1,7 @@
 // e4kv generate MODEL --prompt TEXT | --prompt-ids 1,2,3: one request, text streamed to stdout as
 // tokens come; --json prints {"output_ids": [...], "text": ..., "finish_reason": ...} at the end.
+// e4kv generate MODEL --prompts FILE.jsonl --out FILE.jsonl: every prompt of the file at once,
+// continuously batched (generate_batch.h).
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -12,10 +14,12 @@
 #include "core/checked.h"
 #include "core/utf8.h"
 #include "engine/generate.h"
+#include "generate_batch.h"
 #include "io/generation_config.h"
 #include "io/tokenizer.h"
 #include "model_setup.h"
 #include "numeric_flags.h"
+#include "prompt_source.h"
 
 namespace e4kv::cli {
 namespace {
@@ -33,11 +37,49 @@ struct GenerateArgs {
   bool ignore_eos = false;
   int64_t prefill_chunk = 0;
   bool json = false;
+  std::optional<std::string> prompts;  // batch mode
+  std::string out;
+  bool force = false;
+  bool special_tokens_in_content = false;
+  bool progress = true;
 };
 
+Status run_batch(const GenerateArgs& args) {
+  if (args.prompt || args.prompt_ids) {
+    return Status::error("give --prompts FILE or one of --prompt and --prompt-ids, not both");
+  }
+  if (args.out.empty()) {
+    return Status::error("--prompts needs --out FILE.jsonl (one output line per prompt)");
+  }
+  if (args.json) return Status::error("--json is for one prompt; --prompts always writes JSON lines");
+  if (args.prefill_chunk != 0) {
+    return Status::error("--prefill-chunk is for one prompt; with --prompts the engine's token "
+                         "budget chunks prompts");
+  }
+  BatchGenerateArgs batch;
+  batch.model = args.model;
+  batch.prompts = *args.prompts;
+  batch.out = args.out;
+  batch.force = args.force;
+  batch.special_tokens_in_content = args.special_tokens_in_content;
+  batch.progress = args.progress;
+  batch.max_tokens = args.max_tokens;
+  batch.sampling.temperature = args.temperature;
+  batch.sampling.top_p = args.top_p;
+  batch.sampling.top_k = args.top_k;
+  batch.sampling.repetition_penalty = args.repetition_penalty;
+  batch.sampling.seed = args.seed;
+  batch.ignore_eos = args.ignore_eos;
+  E4KV_RETURN_IF_ERROR(validate_sampling_params(batch.sampling));
+  return run_generate_batch(batch);
+}
+
 Status run_generate(const GenerateArgs& args) {
+  if (args.prompts) return run_batch(args);
+  if (!args.out.empty()) return Status::error("--out is for --prompts FILE (batch mode)");
   if (args.prompt.has_value() == args.prompt_ids.has_value()) {
-    return Status::error("give exactly one of --prompt TEXT and --prompt-ids 1,2,3");
+    return Status::error(
+        "give exactly one of --prompt TEXT, --prompt-ids 1,2,3 and --prompts FILE.jsonl");
   }
   E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
   if (args.max_tokens < 0 || args.max_tokens > kMaxTokenCount) {
@@ -86,9 +128,12 @@ Status run_generate(const GenerateArgs& args) {
     E4KV_ASSIGN_OR_RETURN(prompt, parse_id_list("--prompt-ids", *args.prompt_ids));
   }
 
-  E4KV_ASSIGN_OR_RETURN(
-      LoadedModel loaded,
-      load_model(args.model, saturating_add(static_cast<int64_t>(prompt.size()), args.max_tokens)));
+  // Every input is read before the model loads (a bad generation_config.json costs nothing).
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return Status::error(cat(args.model.model_dir,
+                             ": not a directory; MODEL is a Hugging Face model directory "
+                             "(config.json, *.safetensors)"));
+  }
   GenerateOptions options;
   options.max_tokens = args.max_tokens;
   options.sampling = sampling;
@@ -97,6 +142,9 @@ Status run_generate(const GenerateArgs& args) {
     E4KV_ASSIGN_OR_RETURN(options.stop_ids, load_eos_token_ids(dir));
     if (tokenizer && tokenizer->eos_id()) options.stop_ids.push_back(*tokenizer->eos_id());
   }
+  E4KV_ASSIGN_OR_RETURN(
+      LoadedModel loaded,
+      load_model(args.model, saturating_add(static_cast<int64_t>(prompt.size()), args.max_tokens)));
 
   std::optional<StreamingDecoder> decoder;
   if (tokenizer) decoder.emplace(*tokenizer, /*skip_special_tokens=*/true);
@@ -139,9 +187,12 @@ Status run_generate(const GenerateArgs& args) {
 
 void add_generate_command(CLI::App& app, Status& result) {
   CLI::App* cmd = app.add_subcommand(
-      "generate", "Generate a continuation of one prompt (text streamed to stdout as it comes)");
+      "generate",
+      "Generate a continuation of one prompt (text streamed to stdout as it comes), or of every "
+      "prompt of a file at once (--prompts FILE --out FILE, continuous batching)");
   auto args = std::make_shared<GenerateArgs>();
   add_model_flags(cmd, args->model);
+  add_pool_flags(cmd, args->model);
   cmd->add_option_function<std::string>(
       "--prompt", [args](const std::string& text) { args->prompt = text; },
       "Prompt text (encoded with the model's tokenizer, special tokens added)");
@@ -176,6 +227,19 @@ void add_generate_command(CLI::App& app, Status& result) {
   cmd->add_flag("--json", args->json,
                 "Print {\"output_ids\", \"text\", \"finish_reason\", \"prompt_ids\"} at the end "
                 "instead of streaming");
+  cmd->add_option_function<std::string>(
+      "--prompts", [args](const std::string& path) { args->prompts = path; },
+      cat("Batch mode: JSON lines of {\"text\"}, {\"token_ids\"} or {\"messages\"}, each with "
+          "its own sampling fields (", kBatchFieldsHelp, "; the flags are the defaults); all "
+          "submitted at once and continuously batched"));
+  cmd->add_option("--out", args->out,
+                  "Batch mode: JSON lines written here, one per prompt in input order: "
+                  "{\"id\", \"output_ids\", \"text\", \"finish_reason\", \"stop_reason\", \"usage\", "
+                  "\"logprobs\", \"prompt_logprobs\"}");
+  cmd->add_flag("--force", args->force, "Batch mode: replace an existing --out file");
+  cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
+                kSpecialTokensInContentHelp);
+  cmd->add_flag("!--no-progress", args->progress, "Batch mode: no progress line on a terminal");
   cmd->callback([args, &result] { result = run_generate(*args); });
 }
 

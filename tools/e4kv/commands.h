@@ -36,5 +36,7 @@ void add_tokenize_commands(CLI::App& app, Status& result);
 // The dense model runtime (cmd_generate.cpp, cmd_logits.cpp).
 void add_generate_command(CLI::App& app, Status& result);
 void add_logits_command(CLI::App& app, Status& result);
+// The serving benchmark through the engine (cmd_bench.cpp).
+void add_bench_command(CLI::App& app, Status& result);
 
 }  // namespace e4kv::cli

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,10 +25,18 @@ struct ModelFlags {
   int64_t block_size = 64;
   int64_t max_model_len = 0;  // 0: config.json's max_position_embeddings
   int threads = 0;            // CPU backend threads; 0: one per hardware thread
+  // The KV pool's size (add_pool_flags), at most one of them; none: a pool for the run's tokens.
+  std::optional<int64_t> kv_cache_memory_bytes;    // the pool (blocks and states) takes this
+  std::optional<int64_t> num_gpu_blocks_override;  // exactly this many blocks
+  std::optional<double> gpu_memory_utilization;    // this fraction of the device (CUDA only)
 };
 
 // Adds MODEL and the flags above to `cmd`.
 void add_model_flags(CLI::App* cmd, ModelFlags& flags);
+
+// Adds the pool sizing flags (--kv-cache-memory-bytes, --num-gpu-blocks-override,
+// --gpu-memory-utilization) to `cmd`: the commands that serve requests (generate, bench).
+void add_pool_flags(CLI::App* cmd, ModelFlags& flags);
 
 // The ranges of the numeric flags above; errors name the flag. load_model checks them too.
 Status validate_model_flags(const ModelFlags& flags);
@@ -41,12 +50,15 @@ struct LoadedModel {
 // "cpu", "cuda" or "cuda:N". A binary built without the CUDA backend says so for cuda.
 Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads);
 
-// Opens the checkpoint, picks the backend and loads the model with a cache of enough blocks for
-// `tokens` tokens (capped at the max model length). all_rows > 0: one forward of that many rows
-// returns the logits of every row (the logits command); otherwise the model's default limits.
-// For an E4M3 cache the K/V scale summary goes to stderr (in unit mode it is the NEGATIVE
-// CONTROL line).
-Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows = 0);
+// Opens the checkpoint, picks the backend and loads the model. The KV pool: as a pool flag says
+// (refused when it cannot hold one sequence of the max model length), or else enough blocks for
+// `n_seqs` sequences of `tokens` tokens each (capped at the max model length). all_rows > 0: one
+// forward of that many rows returns the logits of every row (the logits command); otherwise the
+// model's default limits. To stderr: the pool line (blocks, tokens, FP16-equivalent tokens, the
+// maximum concurrency at the max model length), then for an E4M3 cache the K/V scale summary (in
+// unit mode it is the NEGATIVE CONTROL line).
+Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows = 0,
+                               int64_t n_seqs = 1);
 
 // "1,2,3" (spaces allowed) -> ids; errors name `flag`.
 Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text);

@@ -13,6 +13,7 @@
 // of a flag's value is its command's business ("--flag: expected ..., got X", exit code 1).
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include <string>
 #include <system_error>
 #include <type_traits>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -32,6 +34,10 @@ namespace e4kv::cli {
 inline constexpr int64_t kMaxTokenCount = std::numeric_limits<int32_t>::max();
 // The most sequences --max-seqs reserves for (sequence ids are int32 too).
 inline constexpr int64_t kMaxSequences = std::numeric_limits<int32_t>::max();
+// The most bytes --kv-cache-memory-bytes takes (1 PiB: beyond any device's memory).
+inline constexpr int64_t kMaxPoolBytes = int64_t(1) << 50;
+// The most blocks a KV pool has (block ids are int32).
+inline constexpr int64_t kMaxPoolBlocks = std::numeric_limits<int32_t>::max();
 // The most CPU threads --threads takes (0 is one per hardware thread).
 inline constexpr int64_t kMaxThreads = 4096;
 
@@ -89,6 +95,46 @@ inline CLI::Validator finite_number() {
         return std::string();
       },
       /*validator_desc=*/"", "finite number");
+}
+
+// A comma-separated list of whole numbers in [lo, hi] ("1k" = 1024 where allow_k); errors name the
+// flag, the item and the range. For list flags (compare --context, bench --concurrency), which
+// CLI11 takes as text.
+inline Result<std::vector<int64_t>> parse_list(const std::string& flag, const std::string& text,
+                                               bool allow_k, int64_t lo, int64_t hi,
+                                               const std::string& what) {
+  std::vector<int64_t> out;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    std::string item = text.substr(begin, end - begin);
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    const std::string shown = flag_text_for_message(item);
+    int64_t scale = 1;
+    if (allow_k && !item.empty() && (item.back() == 'k' || item.back() == 'K')) {
+      scale = 1024;
+      item.pop_back();
+    }
+    const bool negative = !item.empty() && item[0] == '-';
+    const bool digits = item.size() > (negative ? 1u : 0u) &&
+                        item.find_first_not_of("0123456789", negative ? 1 : 0) == std::string::npos;
+    if (!digits) {
+      return Status::error(cat(flag, ": \"", shown, "\" is not ", what,
+                               "; expected a comma-separated list of whole numbers from ", lo, " to ",
+                               hi, allow_k ? " (1k = 1024)" : ""));
+    }
+    int64_t v = 0;
+    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    const bool in_range = ec == std::errc() && ptr == item.data() + item.size() &&
+                          v >= lo / scale && v <= hi / scale;
+    if (!in_range || v * scale < lo) {
+      return Status::error(cat(flag, ": ", shown, " is outside ", lo, " to ", hi, " (", what, ")"));
+    }
+    out.push_back(v * scale);
+    begin = end + 1;
+  }
+  return out;
 }
 
 }  // namespace e4kv::cli

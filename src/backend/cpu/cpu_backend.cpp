@@ -75,6 +75,11 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::kF32; }
 
+  Result<DeviceMemoryInfo> device_memory() const override {
+    return Status::error(
+        "cpu: device memory is not applicable (the CPU backend's memory is the host's)");
+  }
+
   Result<BackendBuffer> allocate(size_t bytes) override {
     const size_t rounded =
         std::max<size_t>(kAlignment, (bytes + kAlignment - 1) & ~(kAlignment - 1));

@@ -85,6 +85,24 @@ class CudaBackend final : public Backend {
   }
   DType act_dtype() const override { return DType::kF16; }
 
+  Result<DeviceMemoryInfo> device_memory() const override {
+    DeviceMemoryInfo info;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaDeviceProp prop{};
+    cudaError_t err = cudaSetDevice(device_);
+    if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+    if (err == cudaSuccess) err = cudaGetDeviceProperties(&prop, device_);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::error(
+          cat("cuda:", device_, ": cannot query device memory (", cudaGetErrorString(err), ")"));
+    }
+    info.free_bytes = static_cast<int64_t>(free_bytes);
+    info.total_bytes = static_cast<int64_t>(total_bytes);
+    info.device_name = prop.name;
+    return info;
+  }
+
   Result<BackendBuffer> allocate(size_t bytes) override {
     void* ptr = nullptr;
     const cudaError_t err = cudaMalloc(&ptr, std::max<size_t>(bytes, 1));
