@@ -1,4 +1,4 @@
-// The scheduler's share of a decode step's host cost (engine/scheduler.h): one schedule() and one
+// The host cost of a decode step, part by part. The scheduler (engine/scheduler.h): one schedule() and one
 // append_token per running sequence, with 1, 64 and 256 sequences decoding at 4K-5K tokens each
 // over blocks of 16. The engine's target for the whole host side of a step (scheduling, the host
 // half of the forward, sampling, output processing) is 0.3 ms at 256 sequences; this measures the
@@ -70,5 +70,36 @@ void BM_SchedulerDecodeStep(benchmark::State& state) {
   state.counters["rows_per_step"] = benchmark::Counter(double(rows) / double(state.iterations()));
 }
 BENCHMARK(BM_SchedulerDecodeStep)->Arg(1)->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+// The host sampler's cost per row at Llama-3's vocabulary (128,256 logits): what a decode step of
+// 256 sequences pays today when every row is sampled on the host (the engine's device sampler is
+// to come). Greedy is an argmax; temperature with top-p sorts the vocabulary.
+#include "engine/sampler.h"
+
+namespace {
+
+std::vector<float> vocab_logits() {
+  std::vector<float> logits(128256);
+  uint64_t x = 88172645463325252ull;
+  for (float& l : logits) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    l = float(x % 20000) / 1000.0f - 10.0f;
+  }
+  return logits;
+}
+
+void BM_HostSampleRow(benchmark::State& state) {
+  const std::vector<float> logits = vocab_logits();
+  e4kv::SamplingParams params;
+  if (state.range(0) == 1) {
+    params.temperature = 0.8;
+    params.top_p = 0.95;
+  }
+  e4kv::Sampler sampler(params);
+  for (auto _ : state) benchmark::DoNotOptimize(sampler.sample(logits));
+}
+BENCHMARK(BM_HostSampleRow)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
