@@ -117,6 +117,7 @@ TEST(EngineCuda, DenseBatchedWithPreemptionEqualsAlone) {
   testing_support::TempDir tmp;
   SynthCheckpointOptions options;
   options.n_layers = 2;
+  options.head_dim = 64;  // the CUDA attention routes take head_dim 64, 128 and 256
   ASSERT_TRUE(write_synth_checkpoint(tmp.path(), options).ok());
   batched_equals_alone(tmp.path());
 }
