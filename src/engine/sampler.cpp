@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
 #include <numeric>
 
 namespace e4kv {
@@ -134,6 +137,48 @@ int32_t argmax_logit(std::span<const float> logits) {
   return best;
 }
 
+void sort_by_decreasing_probability(std::vector<TokenProbability>& dist) {
+  // Small lists: a comparison sort. Large ones (a vocabulary of 10^5 tokens): a stable LSD radix
+  // sort on the probability's bits, 16 bits per pass (a pass whose digit all keys share is
+  // skipped). Positive doubles order like their bit patterns, so sorting the complemented bits
+  // ascending gives decreasing probability, and stability keeps equal probabilities in their
+  // incoming order: exactly the comparison sort's order when the input is in token order (it is:
+  // built by index), which the tests check. About 3x faster than std::sort at 128K tokens
+  // (bench/cpu/bench_engine_host.cpp).
+  auto by_probability = [](const TokenProbability& a, const TokenProbability& b) {
+    return a.probability != b.probability ? a.probability > b.probability : a.token < b.token;
+  };
+  const bool by_token = std::is_sorted(dist.begin(), dist.end(),
+                                       [](const TokenProbability& a, const TokenProbability& b) {
+                                         return a.token < b.token;
+                                       });
+  const bool positive = std::all_of(dist.begin(), dist.end(),
+                                    [](const TokenProbability& t) { return t.probability > 0.0; });
+  if (dist.size() < 4096 || !by_token || !positive) {
+    std::sort(dist.begin(), dist.end(), by_probability);
+    return;
+  }
+  auto key = [](const TokenProbability& t) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &t.probability, sizeof(bits));
+    return ~bits;
+  };
+  std::vector<TokenProbability> scratch(dist.size());
+  constexpr int kBits = 16;
+  constexpr uint64_t kMask = (uint64_t(1) << kBits) - 1;
+  std::vector<uint32_t> counts(size_t(1) << kBits);
+  for (int shift = 0; shift < 64; shift += kBits) {
+    std::fill(counts.begin(), counts.end(), 0u);
+    for (const TokenProbability& t : dist) ++counts[(key(t) >> shift) & kMask];
+    // A digit all keys share reorders nothing: skip the pass.
+    if (counts[(key(dist.front()) >> shift) & kMask] == dist.size()) continue;
+    uint32_t offset = 0;
+    for (uint32_t& c : counts) offset += std::exchange(c, offset);
+    for (const TokenProbability& t : dist) scratch[counts[(key(t) >> shift) & kMask]++] = t;
+    dist.swap(scratch);
+  }
+}
+
 std::vector<TokenProbability> sampling_distribution(std::span<const float> logits,
                                                     const SamplingParams& params) {
   std::vector<TokenProbability> dist;
@@ -153,9 +198,7 @@ std::vector<TokenProbability> sampling_distribution(std::span<const float> logit
   std::erase_if(dist, [](const TokenProbability& t) { return !(t.probability > 0.0); });
   // Decreasing probability, lower index first among equals: a total order, so the result does
   // not depend on the sort algorithm.
-  std::sort(dist.begin(), dist.end(), [](const TokenProbability& a, const TokenProbability& b) {
-    return a.probability != b.probability ? a.probability > b.probability : a.token < b.token;
-  });
+  sort_by_decreasing_probability(dist);
   if (params.min_p > 0.0 && !dist.empty()) {
     const double threshold = params.min_p * dist.front().probability;
     std::erase_if(dist, [&](const TokenProbability& t) { return t.probability < threshold; });

@@ -78,6 +78,10 @@ struct TokenProbability {
   double probability = 0.0;
 };
 
+// Sorts by decreasing probability, lower token id first among equal probabilities (the order the
+// draw walks). Exposed for its test.
+void sort_by_decreasing_probability(std::vector<TokenProbability>& dist);
+
 // The distribution step 9 draws from (temperature > 0): kept tokens in order of decreasing
 // probability (ties by lower index), probabilities renormalised to sum to 1. -inf logits (steps 1
 // and 2) have probability 0 and are never kept; at least one logit must be finite.

@@ -7,6 +7,7 @@
 
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -323,6 +324,36 @@ TEST(Sampler, ValidatesEveryNewFieldByName) {
   EXPECT_TRUE(validate_request_params(request, 10).ok());
   request.sampling.min_p = 2.0;
   EXPECT_EQ(validate_request_params(request, 10).option(), "min_p");
+}
+
+}  // namespace
+}  // namespace e4kv
+
+namespace e4kv {
+namespace {
+
+// The large-list sort (a radix sort on the probability bits) gives exactly the comparison sort's
+// order, ties by lower token first, on a vocabulary-sized list with many equal probabilities.
+TEST(Sampler, LargeListsSortExactlyAsTheComparisonSort) {
+  for (const size_t n : {4095u, 4096u, 128256u}) {
+    std::vector<TokenProbability> dist(n);
+    uint64_t x = 12345 + n;
+    for (size_t i = 0; i < n; ++i) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      // About 300 distinct values, so most probabilities tie; a few tiny and a few large ones.
+      dist[i] = {int32_t(i), double(x % 300 + 1) * (i % 97 == 0 ? 1e-300 : 1e-6)};
+    }
+    std::vector<TokenProbability> want = dist;
+    std::sort(want.begin(), want.end(), [](const TokenProbability& a, const TokenProbability& b) {
+      return a.probability != b.probability ? a.probability > b.probability : a.token < b.token;
+    });
+    sort_by_decreasing_probability(dist);
+    ASSERT_EQ(dist.size(), want.size());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(dist[i].token, want[i].token) << "n " << n << " at " << i;
+      ASSERT_EQ(dist[i].probability, want[i].probability);
+    }
+  }
 }
 
 }  // namespace
