@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <utility>
 #include <numeric>
 
@@ -129,12 +131,24 @@ void apply_repetition_penalty(std::span<float> logits, std::span<const int32_t> 
 }
 
 int32_t argmax_logit(std::span<const float> logits) {
-  int32_t best = -1;
-  for (size_t i = 0; i < logits.size(); ++i) {
-    if (std::isnan(logits[i])) continue;
-    if (best < 0 || logits[i] > logits[size_t(best)]) best = static_cast<int32_t>(i);
+  // Two passes: the largest value (8 independent running maxima, so the loop is not one long
+  // dependency chain; a NaN never compares greater, so it never becomes the maximum), then the
+  // first index holding it. Same result as one pass keeping the first strict maximum.
+  constexpr size_t kLanes = 8;
+  float lane[kLanes];
+  std::fill(std::begin(lane), std::end(lane), -std::numeric_limits<float>::infinity());
+  const size_t n = logits.size();
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t l = 0; l < kLanes; ++l) lane[l] = logits[i + l] > lane[l] ? logits[i + l] : lane[l];
   }
-  return best;
+  float top = -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) top = logits[i] > top ? logits[i] : top;
+  for (const float v : lane) top = v > top ? v : top;
+  for (size_t j = 0; j < n; ++j) {
+    if (logits[j] == top) return static_cast<int32_t>(j);
+  }
+  return -1;  // empty, or every logit NaN
 }
 
 void sort_by_decreasing_probability(std::vector<TokenProbability>& dist) {

@@ -358,3 +358,36 @@ TEST(Sampler, LargeListsSortExactlyAsTheComparisonSort) {
 
 }  // namespace
 }  // namespace e4kv
+
+namespace e4kv {
+namespace {
+
+// argmax_logit against the plain one-pass definition (first strict maximum, NaN skipped) on random
+// rows with ties, NaNs, infinities and lengths that are not a multiple of its 8 lanes.
+TEST(Sampler, ArgmaxEqualsTheOnePassDefinition) {
+  uint64_t x = 7;
+  auto next = [&] {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<float> row(size_t(next() % 70));
+    for (float& v : row) {
+      const uint64_t r = next() % 100;
+      v = r < 5    ? std::numeric_limits<float>::quiet_NaN()
+          : r < 10 ? -std::numeric_limits<float>::infinity()
+          : r < 12 ? std::numeric_limits<float>::infinity()
+          : r < 15 ? (r % 2 ? 0.0f : -0.0f)
+                   : float(int(next() % 9) - 4);
+    }
+    int32_t want = -1;
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (std::isnan(row[i])) continue;
+      if (want < 0 || row[i] > row[size_t(want)]) want = int32_t(i);
+    }
+    ASSERT_EQ(argmax_logit(row), want) << "trial " << trial;
+  }
+}
+
+}  // namespace
+}  // namespace e4kv
