@@ -55,26 +55,36 @@ bool OutputProcessor::take_text(State& state, const std::string& text, bool may_
   return false;
 }
 
+RequestOutput output_without_text(const RequestUpdate& update) {
+  RequestOutput out;
+  out.id = update.id;
+  out.new_tokens = update.new_tokens;
+  out.finished = update.finished;
+  out.finish_reason = update.finish_reason;
+  out.stop_token = update.stop_token;
+  out.error = update.error;
+  out.logprobs = update.logprobs;
+  out.prompt_logprobs = update.prompt_logprobs;
+  out.prompt_logprobs_start = update.prompt_logprobs_start;
+  return out;
+}
+
 std::vector<RequestOutput> OutputProcessor::process(std::span<const RequestUpdate> updates,
                                                     Engine* engine) {
   std::vector<RequestOutput> outputs;
   outputs.reserve(updates.size());
   for (const RequestUpdate& u : updates) {
+    auto it = requests_.find(u.id);
+    if (it == requests_.end()) {
+      outputs.push_back(output_without_text(u));
+      continue;
+    }
     RequestOutput out;
     out.id = u.id;
     out.new_tokens = u.new_tokens;
     out.logprobs = u.logprobs;
     out.prompt_logprobs = u.prompt_logprobs;
     out.prompt_logprobs_start = u.prompt_logprobs_start;
-    auto it = requests_.find(u.id);
-    if (it == requests_.end()) {
-      out.finished = u.finished;
-      out.finish_reason = u.finish_reason;
-      out.stop_token = u.stop_token;
-      out.error = u.error;
-      outputs.push_back(std::move(out));
-      continue;
-    }
     State& state = it->second;
     bool stopped = false;
     for (size_t i = 0; i < u.new_tokens.size() && !stopped; ++i) {

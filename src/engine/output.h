@@ -47,6 +47,10 @@ struct RequestOutput {
   int64_t prompt_logprobs_start = 0;
 };
 
+// An update as an output without text: what the processor gives for a request it does not hold,
+// and what a caller without a tokenizer uses.
+RequestOutput output_without_text(const RequestUpdate& update);
+
 class OutputProcessor {
  public:
   // The tokenizer must outlive the processor.

@@ -37,6 +37,7 @@
 #include "kv/scale_gate.h"
 #include "model_setup.h"
 #include "numeric_flags.h"
+#include "progress.h"
 #include "prompt_source.h"
 
 namespace e4kv::cli {
@@ -56,13 +57,6 @@ struct CalibrateArgs {
   bool progress = true;
   bool special_tokens_in_content = false;
 };
-
-std::string duration_text(double seconds) {
-  const long long s = static_cast<long long>(seconds + 0.5);
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
-  return buf;
-}
 
 // One line on a terminal, rewritten in place: documents, tokens, rate and the time left.
 void show_progress(size_t done, size_t total, int64_t tokens, double seconds) {

@@ -23,6 +23,7 @@
 #include "engine/output.h"
 #include "io/corpus.h"
 #include "io/generation_config.h"
+#include "progress.h"
 #include "prompt_source.h"
 
 namespace e4kv::cli {
@@ -169,10 +170,6 @@ json logprobs_json(const std::vector<TokenLogprobs>& entries, const Tokenizer* t
   return out;
 }
 
-std::string duration_text(double seconds) {
-  const int64_t s = int64_t(seconds + 0.5);
-  return s >= 3600 ? cat(s / 3600, "h", (s / 60) % 60, "m") : cat(s / 60, "m", s % 60, "s");
-}
 
 }  // namespace
 
@@ -272,18 +269,7 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     if (processor) {
       outputs = processor->process(updates, &engine);
     } else {
-      for (const RequestUpdate& u : updates) {
-        RequestOutput o;
-        o.id = u.id;
-        o.new_tokens = u.new_tokens;
-        o.finished = u.finished;
-        o.finish_reason = u.finish_reason;
-        o.stop_token = u.stop_token;
-        o.error = u.error;
-        o.logprobs = u.logprobs;
-        o.prompt_logprobs = u.prompt_logprobs;
-        outputs.push_back(std::move(o));
-      }
+      for (const RequestUpdate& u : updates) outputs.push_back(output_without_text(u));
     }
     for (const RequestOutput& o : outputs) {
       const size_t i = index.at(o.id);
