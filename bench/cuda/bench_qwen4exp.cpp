@@ -19,9 +19,11 @@
 // place: the per-layer-kind timeline of where the step's time goes.
 //
 // Usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] [--contexts 4096,...]
-//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR] [--calibration-context N]
+//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR [--checkpoint-only]]
+//        [--calibration-context N]
 // (--small: 8 layers, 8 experts, vocab 8192, contexts 4K and 8K, for a quick check of the harness;
 // --keep-checkpoint: write the checkpoint to DIR, or reuse it from there, and keep it;
+// --checkpoint-only: only write it (for `e4kv bench` on the same checkpoint, bench/serving_gpu.sh);
 // --calibration-context N: also time an FP16 prefill of N tokens with the calibration statistics
 // (Model::start_kv_statistics) off and on: the observer's overhead)
 #include <algorithm>
@@ -350,6 +352,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts;
   std::vector<KvCacheDtype> caches = {KvCacheDtype::kF16, KvCacheDtype::kE4m3};
   std::string keep;
+  bool checkpoint_only = false;
   int64_t calibration_context = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -373,15 +376,18 @@ int main(int argc, char** argv) {
       calibration_context = parse_list("--calibration-context", argv[++i]).at(0);
     } else if (arg == "--keep-checkpoint" && has_value) {
       keep = argv[++i];
+    } else if (arg == "--checkpoint-only") {
+      checkpoint_only = true;
     } else if (!arg.empty() && arg[0] != '-') {
       json_path = argv[i];
     } else {
       die("unknown argument " + arg +
           "; usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] "
-          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR] "
-          "[--calibration-context N]");
+          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR "
+          "[--checkpoint-only]] [--calibration-context N]");
     }
   }
+  if (checkpoint_only && keep.empty()) die("--checkpoint-only needs --keep-checkpoint DIR");
   if (contexts.empty()) {
     contexts = small ? std::vector<int64_t>{4096, 8192} : std::vector<int64_t>{4096, 32768, 131072};
   }
@@ -426,6 +432,7 @@ int main(int argc, char** argv) {
     if (Status st = write_synth_checkpoint(dir, synth); !st.ok()) die(st.message());
     std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s\n", seconds_since(t_write));
   }
+  if (checkpoint_only) return 0;
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
   if (!ckpt.ok()) die(ckpt.message());
   Result<std::unique_ptr<Backend>> backend = make_cuda_backend();

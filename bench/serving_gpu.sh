@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The serving benchmarks of the engine on the GPU machine, on the Qwen4Exp benchmark checkpoint
+# (bench/cuda/bench_qwen4exp.cpp's synthetic model: 48 layers, 64 experts top-10, ~13B FP16
+# parameters), in phases that each fit one device call. Every phase builds what it needs (sm_90,
+# a no-op when built before on the same machine) and writes the checkpoint once (kept in
+# $E4KV_BENCH_CKPT, default /tmp/e4kv_q4e). E4M3 runs with unit scales: a speed measure only.
+#   PHASE=setup     build and write the checkpoint
+#   PHASE=matrix    e4kv bench: CONCURRENCY x CONTEXT cells, FP16 and E4M3 at KV_BYTES
+#   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
+# Results (bench.json/md/svg per run, logs) go to $OUT. Usage: PHASE=... bench/serving_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
+CKPT=${E4KV_BENCH_CKPT:-/tmp/e4kv_q4e}
+B=build-gpu90
+{
+  echo "date: $(date -u +%FT%TZ)"
+  if [ -f COMMIT ]; then echo "commit: $(cat COMMIT) (snapshot)"; else
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo +dirty)"; fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+} | tee -a "$OUT/env.txt"
+
+t0=$(date +%s)
+if [ ! -f $B/build.ninja ]; then
+  cmake -S . -B $B -G Ninja -DE4KV_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_BUILD_TYPE=Release >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+fi
+cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp ${EXTRA_TARGETS:-} \
+  >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(($(date +%s) - t0)) s"
+if [ ! -f "$CKPT/config.json" ]; then
+  t0=$(date +%s)
+  $B/bench/e4kv_bench_qwen4exp --keep-checkpoint "$CKPT" --checkpoint-only 2>&1 | tail -3
+  echo "checkpoint: $(($(date +%s) - t0)) s"
+fi
+
+bench() {  # bench NAME LIMIT_S ARGS...
+  local name=$1 limit=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout "$limit" $B/e4kv bench "$CKPT" --device cuda --kv-scales unit --no-progress \
+    --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $(($(date +%s) - t0)) s"
+  cat "$OUT/$name.log"
+}
+
+case "${PHASE:-setup}" in
+  setup) ;;
+  matrix)
+    bench "matrix${TAG:-}" "${LIMIT:-520}" --kv-cache-dtype fp16,fp8_e4m3 \
+      --kv-cache-memory-bytes "${KV_BYTES:-3200000000}" --concurrency "${CONCURRENCY:-1,4,8}" \
+      --context "${CONTEXT:-1k,16k}" --output-tokens 256 --repeats "${REPEATS:-1}" ;;
+  workload)
+    for dt in ${WL_DTYPES:-fp8_e4m3 fp16}; do
+      bench "workload_$dt" "${LIMIT:-280}" --kv-cache-dtype "$dt" \
+        --kv-cache-memory-bytes "${WL_BYTES:-11700000000}" --concurrency 64 --context 16k \
+        --output-tokens 256 --repeats 1
+    done ;;
+  *) echo "PHASE=${PHASE}: expected setup, matrix or workload" >&2; exit 2 ;;
+esac
