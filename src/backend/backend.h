@@ -15,6 +15,7 @@
 //     out-of-range indices are the caller's bug (the model validates metadata on the host first).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -228,6 +229,26 @@ class Backend {
   // (routes, split-K) on the host without reading backend memory.
   virtual Status paged_attention(const PagedAttentionParams& params,
                                  const QueryBatchView& host_rows) = 0;
+
+  // ---- sampling ----
+  // One row of sample_rows (engine/sampler.h defines the draw; core/sampling_noise.h the noise).
+  struct SampleRowParams {
+    uint64_t seed = 0;
+    uint64_t counter = 0;           // the request's draw number (its tokens sampled so far)
+    float inv_temperature = 0.0f;   // 1 / temperature; 0: greedy
+    float log_min_p = -INFINITY;    // log(min_p); -inf: no min-p
+    int32_t logit_row = 0;          // the row of `logits` this draw reads
+    int32_t reserved = 0;
+  };
+  // For each params[j] (a row r = params[j].logit_row of logits [.., vocab] fp32):
+  //   non_finite[j] = the number of NaN or infinite logits of row r (the token is then undefined);
+  //   greedy: tokens[j] = the index of the largest logit, the lowest among equals;
+  //   else, with s_i = logit_i * inv_temperature and m = max_i s_i: tokens[j] = the index i
+  //   maximising s_i + G(seed, counter, i) over the i with s_i >= m + log_min_p (the lowest among
+  //   equals), G = -log(-log(sampling_uniform(sampling_draw_key(seed, counter), i))), fp32.
+  // backend/cpu/sampling.h is the definition. params, tokens, non_finite: [n] in backend memory.
+  virtual Status sample_rows(const float* logits, int64_t vocab, const SampleRowParams* params,
+                             int64_t n, int32_t* tokens, int32_t* non_finite) = 0;
 
   // ---- hybrid-model ops (Qwen4Exp: hyper-connections, GatedDeltaNet, QSA indexer, MoE, PLE) ----
   // A backend without them returns false here and an error from each; the model refuses to load

@@ -200,7 +200,7 @@ Result<std::vector<RequestUpdate>> Engine::step() {
     batch.seqs = tables;
     batch.logit_rows = logit_rows;
     batch.seq_slots = seq_slots;
-    Result<std::vector<float>> logits = model_.forward(batch);
+    Result<DeviceLogits> logits = model_.forward_device(batch);
     if (!logits.ok()) {
       forward_error = logits.status();
       return ok_status();
@@ -267,56 +267,121 @@ Result<std::vector<RequestUpdate>> Engine::step() {
   return updates;
 }
 
+bool Engine::draws_on_backend(const Request& request) const {
+  const RequestParams& params = request.params;
+  const SamplingParams& sampling = params.sampling;
+  // process_logits would change nothing, and no logprobs need the row on the host.
+  return params.logprobs < 0 && request.sampler.draws_on_backend() &&
+         sampling.repetition_penalty == 1.0 && sampling.presence_penalty == 0.0 &&
+         sampling.frequency_penalty == 0.0 && sampling.logit_bias.empty() &&
+         (request.n_output >= params.min_tokens || request.stop_set.empty());
+}
+
 Status Engine::use_logits(const StepPlan& plan, std::span<const LogitRow> rows,
-                          std::span<float> logits, std::vector<RequestUpdate>& updates,
+                          const DeviceLogits& logits, std::vector<RequestUpdate>& updates,
                           std::vector<std::string>& failed) {
+  Backend& backend = model_.backend();
   const size_t vocab = size_t(model_.vocab_size());
+  E4KV_ASSERT(logits.rows == int64_t(rows.size()) && logits.vocab == int64_t(vocab),
+              "engine: the forward returned other logit rows than asked");
+
+  // The draws that run on the backend, next to the logits: only the tokens (and each row's
+  // non-finite count) come back.
+  std::vector<Backend::SampleRowParams> draws;
+  std::vector<int32_t> draw_of_row(rows.size(), -1);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (!rows[r].samples || !failed[rows[r].chunk].empty()) continue;
+    Request& request = requests_.at(plan.chunks[rows[r].chunk].id);
+    if (!draws_on_backend(request)) continue;
+    draw_of_row[r] = int32_t(draws.size());
+    draws.push_back(request.sampler.next_backend_draw(int32_t(r)));
+  }
+  std::vector<int32_t> drawn(2 * draws.size());  // tokens, then non-finite counts
+  if (!draws.empty()) {
+    const int64_t max_rows = model_.limits().max_logit_rows;
+    if (sample_params_.empty()) {
+      E4KV_ASSIGN_OR_RETURN(sample_params_,
+                            backend.allocate(size_t(max_rows) * sizeof(Backend::SampleRowParams)));
+      E4KV_ASSIGN_OR_RETURN(sample_out_, backend.allocate(size_t(2 * max_rows) * sizeof(int32_t)));
+    }
+    const int64_t n = int64_t(draws.size());
+    backend.copy_from_host(sample_params_.data(), draws.data(),
+                           draws.size() * sizeof(Backend::SampleRowParams));
+    int32_t* out = sample_out_.as<int32_t>();
+    const Status st = backend.sample_rows(logits.data, int64_t(vocab),
+                                          sample_params_.as<Backend::SampleRowParams>(), n, out,
+                                          out + n);
+    if (!st.ok()) {
+      for (size_t r = 0; r < rows.size(); ++r) {
+        if (draw_of_row[r] >= 0) failed[rows[r].chunk] = st.message();
+      }
+    } else {
+      backend.copy_to_host(drawn.data(), out, drawn.size() * sizeof(int32_t));
+    }
+  }
+
+  std::vector<float> host;  // one row's logits on the host
   for (size_t r = 0; r < rows.size(); ++r) {
     const LogitRow& row = rows[r];
     if (!failed[row.chunk].empty()) continue;
     const ScheduledChunk& chunk = plan.chunks[row.chunk];
     Request& request = requests_.at(chunk.id);
     const Sequence* seq = scheduler_.find(chunk.id);
-    std::span<float> out = logits.subspan(r * vocab, vocab);
-    if (std::any_of(out.begin(), out.end(), [](float v) { return !std::isfinite(v); })) {
-      failed[row.chunk] = cat("the model produced non-finite logits at position ", row.position,
-                              " of ", seq->tokens.size(), " tokens");
-      continue;
-    }
-    if (!row.samples) {
-      const int64_t scored = row.position + 1;
-      if (scored < request.n_prompt_logprobs) continue;  // reported before a preemption
-      RequestUpdate& u = update_for(chunk.id, updates);
-      if (u.prompt_logprobs.empty()) u.prompt_logprobs_start = scored;
-      u.prompt_logprobs.push_back(
-          token_logprobs(out, seq->tokens[size_t(scored)], request.params.prompt_logprobs));
-      request.n_prompt_logprobs = scored + 1;
-      continue;
-    }
     const RequestParams& params = request.params;
-    // Raw logprobs (vLLM's default): of the logits before any processing.
-    std::vector<float> raw;
-    if (params.logprobs >= 0) raw.assign(out.begin(), out.end());
-    const std::span<const int32_t> all(seq->tokens);
+    const std::string non_finite_error = cat("the model produced non-finite logits at position ",
+                                             row.position, " of ", seq->tokens.size(), " tokens");
+    int32_t token = -1;
+    RequestUpdate* u = nullptr;
     const bool may_stop = request.n_output >= params.min_tokens;
-    const std::span<const int32_t> suppress =
-        may_stop ? std::span<const int32_t>() : std::span<const int32_t>(request.stop_set);
-    process_logits(out, params.sampling, all.first(size_t(seq->n_prompt)),
-                   all.subspan(size_t(seq->n_prompt)), suppress);
-    const int32_t token = request.sampler.sample(out);
-    RequestUpdate& u = update_for(chunk.id, updates);
-    u.new_tokens.push_back(token);
-    if (params.logprobs >= 0) u.logprobs.push_back(token_logprobs(raw, token, params.logprobs));
+    if (draw_of_row[r] >= 0) {
+      const size_t j = size_t(draw_of_row[r]);
+      if (drawn[draws.size() + j] != 0) {
+        failed[row.chunk] = non_finite_error;
+        continue;
+      }
+      token = drawn[j];
+      u = &update_for(chunk.id, updates);
+    } else {
+      host.resize(vocab);
+      backend.copy_to_host(host.data(), logits.data + r * vocab, vocab * sizeof(float));
+      const std::span<float> out(host);
+      if (std::any_of(out.begin(), out.end(), [](float v) { return !std::isfinite(v); })) {
+        failed[row.chunk] = non_finite_error;
+        continue;
+      }
+      if (!row.samples) {
+        const int64_t scored = row.position + 1;
+        if (scored < request.n_prompt_logprobs) continue;  // reported before a preemption
+        RequestUpdate& pu = update_for(chunk.id, updates);
+        if (pu.prompt_logprobs.empty()) pu.prompt_logprobs_start = scored;
+        pu.prompt_logprobs.push_back(
+            token_logprobs(out, seq->tokens[size_t(scored)], params.prompt_logprobs));
+        request.n_prompt_logprobs = scored + 1;
+        continue;
+      }
+      // Raw logprobs (vLLM's default): of the logits before any processing.
+      std::vector<float> raw;
+      if (params.logprobs >= 0) raw.assign(out.begin(), out.end());
+      const std::span<const int32_t> all(seq->tokens);
+      const std::span<const int32_t> suppress =
+          may_stop ? std::span<const int32_t>() : std::span<const int32_t>(request.stop_set);
+      process_logits(out, params.sampling, all.first(size_t(seq->n_prompt)),
+                     all.subspan(size_t(seq->n_prompt)), suppress);
+      token = request.sampler.sample(out);
+      u = &update_for(chunk.id, updates);
+      if (params.logprobs >= 0) u->logprobs.push_back(token_logprobs(raw, token, params.logprobs));
+    }
+    u->new_tokens.push_back(token);
     request.n_output += 1;
     if (may_stop && std::binary_search(request.stop_set.begin(), request.stop_set.end(), token)) {
-      u.finish_reason = "stop";
-      u.stop_token = token;
+      u->finish_reason = "stop";
+      u->stop_token = token;
     } else if (request.n_output >= params.max_tokens ||
                int64_t(seq->tokens.size()) + 1 >= model_.max_model_len()) {
-      u.finish_reason = "length";
+      u->finish_reason = "length";
     }
-    if (!u.finish_reason.empty()) {
-      u.finished = true;
+    if (!u->finish_reason.empty()) {
+      u->finished = true;
       E4KV_RETURN_IF_ERROR(finish(chunk.id, request));
     } else {
       scheduler_.append_token(chunk.id, token);

@@ -124,8 +124,13 @@ class Engine {
   };
   // Uses one forward's logits [rows.size(), vocab]. A request with non-finite logits gets
   // `failed` (finished after the step's forwards, which may still hold its rows).
-  Status use_logits(const StepPlan& plan, std::span<const LogitRow> rows, std::span<float> logits,
-                    std::vector<RequestUpdate>& updates, std::vector<std::string>& failed);
+  // Rows whose draw needs nothing but the logits (no penalties, bias, suppression, logprobs,
+  // top-k or top-p) are drawn on the backend (Backend::sample_rows); the others are copied to
+  // the host one by one.
+  Status use_logits(const StepPlan& plan, std::span<const LogitRow> rows,
+                    const DeviceLogits& logits, std::vector<RequestUpdate>& updates,
+                    std::vector<std::string>& failed);
+  bool draws_on_backend(const Request& request) const;
   RequestUpdate& update_for(RequestId id, std::vector<RequestUpdate>& updates);
   Status release_slot(Request& request);
   Status finish(RequestId id, Request& request);
@@ -135,6 +140,9 @@ class Engine {
   std::unordered_map<RequestId, Request> requests_;
   RequestId next_id_ = 0;
   std::unordered_map<RequestId, size_t> update_index_;  // this step's update of each request
+  // Backend memory of the backend draws: [max_logit_rows] SampleRowParams; [2 * max_logit_rows]
+  // int32 tokens then non-finite counts. Allocated at the first draw.
+  BackendBuffer sample_params_, sample_out_;
 };
 
 }  // namespace e4kv

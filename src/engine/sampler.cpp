@@ -6,8 +6,11 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
-#include <utility>
 #include <numeric>
+#include <utility>
+
+#include "backend/cpu/sampling.h"
+#include "core/sampling_noise.h"
 
 namespace e4kv {
 
@@ -238,27 +241,47 @@ std::vector<TokenProbability> sampling_distribution(std::span<const float> logit
   return dist;
 }
 
-Sampler::Sampler(const SamplingParams& params) : params_(params), state_(params.seed) {}
+Sampler::Sampler(const SamplingParams& params) : params_(params) {}
 
-double Sampler::next_uniform() {
-  // splitmix64
-  uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<double>(z >> 11) * 0x1.0p-53;
+bool Sampler::draws_on_backend() const {
+  return params_.temperature == 0.0 || params_.top_k == 1 ||
+         (params_.top_k <= 0 && params_.top_p >= 1.0);
+}
+
+Backend::SampleRowParams Sampler::next_backend_draw(int32_t logit_row) {
+  Backend::SampleRowParams row;
+  row.seed = params_.seed;
+  row.counter = draws_++;
+  const bool greedy = params_.temperature == 0.0 || params_.top_k == 1;
+  row.inv_temperature = greedy ? 0.0f : static_cast<float>(1.0 / params_.temperature);
+  row.log_min_p = params_.min_p > 0.0 ? static_cast<float>(std::log(params_.min_p))
+                                      : -std::numeric_limits<float>::infinity();
+  row.logit_row = logit_row;
+  return row;
 }
 
 int32_t Sampler::sample(std::span<const float> logits) {
-  if (params_.temperature == 0.0 || params_.top_k == 1) return argmax_logit(logits);
-  const std::vector<TokenProbability> dist = sampling_distribution(logits, params_);
-  const double u = next_uniform();
-  double cumulative = 0.0;
-  for (const TokenProbability& t : dist) {
-    cumulative += t.probability;
-    if (u < cumulative) return t.token;
+  if (draws_on_backend()) {
+    int32_t non_finite = 0;
+    return sample_row(logits, next_backend_draw(0), &non_finite);
   }
-  return dist.back().token;  // u within rounding of 1
+  // top-k / top-p: the kept set needs the sorted distribution; the draw is the same rule.
+  const std::vector<TokenProbability> dist = sampling_distribution(logits, params_);
+  const uint64_t key = sampling_draw_key(params_.seed, draws_++);
+  int32_t best_token = dist.front().token;
+  float best = -std::numeric_limits<float>::infinity();
+  bool any = false;
+  for (const TokenProbability& t : dist) {
+    if (t.probability <= 0.0) continue;
+    const float k = static_cast<float>(std::log(t.probability)) -
+                    std::log(-std::log(sampling_uniform(key, uint32_t(t.token))));
+    if (!any || k > best || (k == best && t.token < best_token)) {
+      best = k;
+      best_token = t.token;
+      any = true;
+    }
+  }
+  return best_token;
 }
 
 }  // namespace e4kv

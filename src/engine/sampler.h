@@ -18,9 +18,16 @@
 //   8. top-p: of those, in order of decreasing probability (ties by lower index), keep the
 //      shortest prefix whose total probability (renormalised over the kept ones) reaches top_p (at
 //      least one token), as vLLM and llama.cpp do;
-//   9. renormalise the kept tokens and draw one with a uniform double from the generator.
+//   9. draw one of the kept tokens by the Gumbel-max rule of core/sampling_noise.h: the token
+//      maximising log p_i + G(seed, k, i), k = the request's draw number (0 for its first token).
+//      That samples exactly from the kept tokens' renormalised distribution; the noise is a pure
+//      function of (seed, k, token), so a request draws the same tokens alone or in a batch,
+//      after a preemption, and on any backend.
 // min_p and top-k both keep a prefix of the sorted order, so their order does not matter; top-p
-// renormalises over what they kept, as vLLM's sampler does.
+// renormalises over what they kept, as vLLM's sampler does. Without top-k and top-p no sort is
+// needed: the draw is Backend::sample_rows's (backend/cpu/sampling.h), in fp32 on the logits
+// scaled by 1 / temperature, min-p as s_i >= max s + log(min_p); the engine runs those rows on
+// the backend, next to the logits.
 //
 // Log-probabilities (token_logprobs) are those of the raw model: log_softmax of the logits before
 // any of the steps above. That is vLLM's default (logprobs_mode "raw_logprobs"): a logprob then
@@ -33,6 +40,7 @@
 #include <span>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/status.h"
 
 namespace e4kv {
@@ -109,15 +117,22 @@ TokenLogprobs token_logprobs(std::span<const float> logits, int32_t token, int64
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
-  // Next token for processed `logits` [vocab] (steps 5-9); advances the generator only when
-  // sampling. Logits must be finite or -inf, at least one finite (the caller checks).
+  // Next token for processed `logits` [vocab] (steps 5-9); every call is one draw (the draw
+  // number advances, greedy included). Logits must be finite or -inf, at least one finite (the
+  // caller checks).
   int32_t sample(std::span<const float> logits);
 
- private:
-  double next_uniform();  // [0, 1) with 53 random bits
+  // Whether a draw is Backend::sample_rows's (no top-k above 1, no top-p below 1).
+  bool draws_on_backend() const;
+  // The next draw as a Backend::sample_rows row reading `logit_row`; advances the draw number as
+  // sample() does. Only when draws_on_backend().
+  Backend::SampleRowParams next_backend_draw(int32_t logit_row);
+  // Draws made so far.
+  uint64_t draws() const { return draws_; }
 
+ private:
   SamplingParams params_;
-  uint64_t state_;
+  uint64_t draws_ = 0;
 };
 
 }  // namespace e4kv

@@ -278,7 +278,7 @@ ModelMemory DenseModel::memory() const {
   return memory;
 }
 
-Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
+Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
   Backend& b = *backend_;
   Workspace& ws = *ws_;
   const ModelConfig& c = config_;
@@ -316,7 +316,7 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
   }
 
   // ---- logits of the rows asked ----
-  std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));
+  const DeviceLogits logits{ws.logits.as<float>(), m, c.vocab_size};
   if (m > 0) {
     b.profile_mark("lm_head");
     E4KV_RETURN_IF_ERROR(b.gather_rows(ws.x.data(), step.logit_rows(), m, hidden, ws.xs.data()));
@@ -325,8 +325,7 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
     const void* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
     E4KV_RETURN_IF_ERROR(b.linear(ws.xs.data(), head, nullptr, m, hidden, c.vocab_size,
                                   ws.logits.data(), DType::kF32));
-    b.profile_mark("logits_copy");
-    b.copy_to_host(logits.data(), ws.logits.data(), logits.size() * sizeof(float));
+    b.profile_mark("counters");
   }
   unsigned long long counts[2] = {0, 0};
   b.copy_to_host(counts, non_finite, sizeof(counts));

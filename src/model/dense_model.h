@@ -70,7 +70,7 @@ class DenseModel final : public Model {
   const DenseModelSpec& spec() const { return spec_; }
   const RopeTable& rope() const { return rope_; }
 
-  Result<std::vector<float>> forward(const ForwardBatch& batch) override;
+  Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
   Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
   Status begin_sequence(int32_t slot) override { return slots_.acquire(slot); }

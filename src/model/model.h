@@ -108,6 +108,13 @@ struct ForwardBatch {
   ForwardProbe* probe = nullptr;  // optional
 };
 
+// A forward's logits in backend memory (Model::forward_device).
+struct DeviceLogits {
+  const float* data = nullptr;  // [rows, vocab] fp32
+  int64_t rows = 0;
+  int64_t vocab = 0;
+};
+
 // The calibration statistics of one KV-cache layer: what its cache writes received.
 struct LayerKvStats {
   int64_t layer = 0;
@@ -137,11 +144,19 @@ class Model {
   int64_t vocab_size() const { return config().vocab_size; }
   int64_t max_model_len() const { return limits().max_model_len; }
 
-  // Runs the batch; returns logits [logit_rows.size(), vocab_size] fp32, row-major. Errors: bad
-  // batch metadata (ids out of range, positions beyond the block table or max_model_len, more
-  // rows, sequences or logit rows than the limits), non-finite K/V values reaching the cache, a
-  // backend op refusing a shape.
-  virtual Result<std::vector<float>> forward(const ForwardBatch& batch) = 0;
+  // Runs the batch and leaves its logits in backend memory: [logit_rows.size(), vocab_size] fp32,
+  // row-major, valid until the next forward (the engine samples them there, Backend::sample_rows).
+  // Errors: bad batch metadata (ids out of range, positions beyond the block table or
+  // max_model_len, more rows, sequences or logit rows than the limits), non-finite K/V values
+  // reaching the cache, a backend op refusing a shape.
+  virtual Result<DeviceLogits> forward_device(const ForwardBatch& batch) = 0;
+  // forward_device, then the logits copied to the host (tools and tests).
+  Result<std::vector<float>> forward(const ForwardBatch& batch) {
+    E4KV_ASSIGN_OR_RETURN(const DeviceLogits logits, forward_device(batch));
+    std::vector<float> host(size_t(logits.rows * logits.vocab));
+    if (!host.empty()) backend().copy_to_host(host.data(), logits.data, host.size() * sizeof(float));
+    return host;
+  }
 
   // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
   // the text model skips.

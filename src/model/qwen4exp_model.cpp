@@ -386,7 +386,7 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   return ok_status();
 }
 
-Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
+Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
   Backend& b = *backend_;
   Workspace& ws = *ws_;
   const ModelConfig& c = config_;
@@ -411,7 +411,7 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
   Status status = run_layers(batch);
   const int64_t m = step.n_logits();
   const int64_t hidden = c.hidden_size;
-  std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));
+  const DeviceLogits logits{ws.logits.as<float>(), m, c.vocab_size};
   if (status.ok() && m > 0) {
     b.profile_mark("lm_head");
     const int64_t width = hc_shape_.width();
@@ -422,10 +422,7 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
       status = b.linear(ws.hs.data(), head, nullptr, m, hidden, c.vocab_size, ws.logits.data(),
                         DType::kF32);
     }
-    if (status.ok()) {
-      b.profile_mark("logits_copy");
-      b.copy_to_host(logits.data(), ws.logits.data(), logits.size() * sizeof(float));
-    }
+    if (status.ok()) b.profile_mark("counters");
   }
   if (!status.ok()) {
     for (int32_t slot : batch.seq_slots) slots_.poison(slot);

@@ -62,7 +62,7 @@ class Qwen4ExpModel final : public Model {
   ModelMemory memory() const override;
   Backend& backend() const override { return *backend_; }
 
-  Result<std::vector<float>> forward(const ForwardBatch& batch) override;
+  Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;

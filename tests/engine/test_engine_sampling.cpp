@@ -169,6 +169,43 @@ TEST_P(EngineSampling, SeededSamplingIsTheSameAloneAndInABatch) {
   EXPECT_GT(differs_from_greedy, 0) << "the draws were all greedy";
 }
 
+// Rows that need only the logits (temperature, min_p, a seed) are drawn by the backend
+// (Backend::sample_rows) next to the logits; asking for logprobs sends the same request's rows to
+// the host sampler. Both apply one draw rule with the same draw numbers, so the tokens are the
+// same on either path, alone or batched with preemption.
+TEST_P(EngineSampling, BackendDrawsEqualHostDrawsAloneAndInABatch) {
+  std::mt19937_64 rng{9};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<RequestParams> params;
+  for (int i = 0; i < 6; ++i) {
+    prompts.push_back(random_prompt(rng, 5 + int64_t(rng() % 30)));
+    RequestParams p;
+    p.max_tokens = 12;
+    p.sampling.temperature = 0.8 + 0.1 * i;
+    p.sampling.min_p = i % 2 == 0 ? 0.0 : 0.02;
+    p.sampling.seed = 500 + uint64_t(i);
+    params.push_back(p);
+  }
+  auto batched = load(/*n_blocks=*/10, /*max_seqs=*/8, /*max_batch_tokens=*/32);
+  ASSERT_NE(batched, nullptr);
+  const std::vector<Run> together = run_all(*batched, prompts, params);
+  EXPECT_GT(preemptions_, 0);
+  int differs_from_greedy = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::vector<Run> alone = run_all(*reference_, {prompts[i]}, {params[i]});
+    EXPECT_EQ(together[i].tokens, alone[0].tokens) << "request " << i;
+    RequestParams on_host = params[i];
+    on_host.logprobs = 0;
+    EXPECT_EQ(run_all(*reference_, {prompts[i]}, {on_host})[0].tokens, alone[0].tokens)
+        << "request " << i;
+    RequestParams greedy = params[i];
+    greedy.sampling.temperature = 0.0;
+    differs_from_greedy += run_all(*reference_, {prompts[i]}, {greedy})[0].tokens !=
+                           alone[0].tokens;
+  }
+  EXPECT_GT(differs_from_greedy, 0) << "the draws were all greedy";
+}
+
 TEST_P(EngineSampling, MinTokensSuppressesEosAndIgnoreEosRunsOn) {
   std::mt19937_64 rng{9};
   const std::vector<int32_t> prompt = random_prompt(rng, 12);

@@ -388,7 +388,7 @@ TEST(Qwen4ExpModel, StepProfileCountsEverySectionOfTheForward) {
   const std::vector<std::pair<std::string, int64_t>> expected = {
       {"step_context", 1}, {"embed", 1},   {"hyper_connection", 24}, {"delta_net", 6},
       {"moe", 8},          {"ple", 1},     {"qsa", 2},               {"lm_head", 1},
-      {"logits_copy", 1}};
+      {"counters", 1}};
   EXPECT_EQ(seen, expected);
   // Off again: a forward adds nothing.
   ASSERT_TRUE(all_logits(**model, ids).ok());

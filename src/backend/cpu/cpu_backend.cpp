@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "backend/cpu/hyper_connection.h"
 #include "backend/cpu/moe.h"
 #include "backend/cpu/ple.h"
+#include "backend/cpu/sampling.h"
 #include "core/half.h"
 
 namespace e4kv {
@@ -433,6 +435,16 @@ class CpuBackend final : public Backend {
                     const BlockTableView& block_table, const QueryBatchView& rows,
                     const uint16_t* index_q, int32_t* sel_tokens, int32_t* sel_counts) override {
     return e4kv::qsa_select(config, compressed, block_table, rows, index_q, sel_tokens, sel_counts);
+  }
+
+  Status sample_rows(const float* logits, int64_t vocab, const SampleRowParams* params, int64_t n,
+                     int32_t* tokens, int32_t* non_finite) override {
+    for (int64_t j = 0; j < n; ++j) {
+      const std::span<const float> row(logits + size_t(params[j].logit_row) * size_t(vocab),
+                                       size_t(vocab));
+      tokens[j] = sample_row(row, params[j], &non_finite[j]);
+    }
+    return ok_status();
   }
 
   Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,

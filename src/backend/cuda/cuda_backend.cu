@@ -25,6 +25,7 @@
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_indexer_write.cuh"
 #include "backend/cuda/qsa_topk.cuh"
+#include "backend/cuda/sampling.cuh"
 #include "core/half.h"
 #include "core/norm_rope.h"
 
@@ -352,6 +353,15 @@ class CudaBackend final : public Backend {
                              stream_);
     return ok_status();
   }
+  Status sample_rows(const float* logits, int64_t vocab, const SampleRowParams* params, int64_t n,
+                     int32_t* tokens, int32_t* non_finite) override {
+    if (vocab < 1 || vocab >= (int64_t(1) << 31) || n < 0 || n >= (int64_t(1) << 31)) {
+      return Status::error(cat("cuda sample_rows: unsupported shape vocab=", vocab, " n=", n));
+    }
+    cuda::sample_rows_f32(logits, vocab, params, n, tokens, non_finite, stream_);
+    return ok_status();
+  }
+
   Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
                    bool norm_topk_prob, int32_t* ids, float* weights) override {
     return cuda::moe_route_f32(logits, n_rows, n_experts, top_k, norm_topk_prob, ids, weights,
