@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,8 +86,7 @@ bool wait_until(Pred done) {
 
 class LlmEngineApi : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new TempDir();
+  void SetUp() override {
     SynthCheckpointOptions options;
     options.n_layers = 2;
     options.hidden_size = 32;
@@ -97,16 +97,14 @@ class LlmEngineApi : public ::testing::Test {
     options.vocab_size = 320;
     options.with_tokenizer = true;
     ASSERT_TRUE(write_synth_checkpoint(model_dir(), options).ok());
+    Result<Tokenizer> tok = Tokenizer::from_model_dir(model_dir());
+    ASSERT_TRUE(tok.ok()) << tok.message();
+    tokenizer_.emplace(std::move(tok).value());
   }
-  static void TearDownTestSuite() {
-    delete model_;
-    model_ = nullptr;
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static fs::path model_dir() { return dir_->path() / "model"; }
 
-  static api::EngineConfig config() {
+  fs::path model_dir() const { return tmp_.path() / "model"; }
+
+  api::EngineConfig config() const {
     api::EngineConfig c;
     c.model = model_dir().string();
     c.threads = 1;
@@ -114,8 +112,7 @@ class LlmEngineApi : public ::testing::Test {
   }
 
   // The internal loop (engine/generate.h) on a model loaded the same way: the reference.
-  static std::vector<int32_t> reference(const std::vector<int32_t>& prompt,
-                                        const api::SamplingParams& p) {
+  std::vector<int32_t> reference(const std::vector<int32_t>& prompt, const api::SamplingParams& p) {
     if (!model_) {
       ModelSetup setup;
       setup.model_dir = model_dir().string();
@@ -123,7 +120,7 @@ class LlmEngineApi : public ::testing::Test {
       Result<LoadedModel> loaded = load_model(setup, 4096);
       EXPECT_TRUE(loaded.ok()) << loaded.message();
       if (!loaded.ok()) return {};
-      model_ = new LoadedModel(std::move(loaded).value());
+      model_ = std::make_unique<LoadedModel>(std::move(loaded).value());
     }
     GenerateOptions options;
     options.max_tokens = p.max_tokens;
@@ -136,10 +133,7 @@ class LlmEngineApi : public ::testing::Test {
     return r.ok() ? r->output_ids : std::vector<int32_t>{};
   }
 
-  static const Tokenizer& tokenizer() {
-    static const Tokenizer tok = std::move(Tokenizer::from_model_dir(model_dir())).value();
-    return tok;
-  }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
 
   static std::vector<int32_t> prompt_ids(int i) {
     std::vector<int32_t> ids;
@@ -147,12 +141,10 @@ class LlmEngineApi : public ::testing::Test {
     return ids;
   }
 
-  static TempDir* dir_;
-  static LoadedModel* model_;
+  TempDir tmp_;
+  std::optional<Tokenizer> tokenizer_;
+  std::unique_ptr<LoadedModel> model_;
 };
-
-TempDir* LlmEngineApi::dir_ = nullptr;
-LoadedModel* LlmEngineApi::model_ = nullptr;
 
 TEST_F(LlmEngineApi, GreedyOutputsEqualTheInternalGenerateLoop) {
   auto engine = api::LLMEngine::create(config());
@@ -358,7 +350,7 @@ TEST_F(LlmEngineApi, DestructorWithRequestsInFlightGivesEachOneFinalOutput) {
 
 TEST_F(LlmEngineApi, BadConfigurationsAreRefusedNamingTheFieldOrFile) {
   api::EngineConfig missing = config();
-  missing.model = (dir_->path() / "no-such-model").string();
+  missing.model = (tmp_.path() / "no-such-model").string();
   auto r = api::LLMEngine::create(missing);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().field(), "model");
