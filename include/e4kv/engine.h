@@ -15,9 +15,9 @@
 //
 // Threading rule. An LLMEngine owns one thread, the engine loop, and only that thread touches the
 // model, the KV cache and the scheduler. Every public method may be called from any thread at any
-// time (they only validate, then hand work to the loop through a queue under a mutex): submit(),
-// stream(), abort() and generate() never wait for a forward, except generate() and
-// RequestStream::next(), which wait for their own outputs. The loop sleeps while there is no work
+// time: they validate on the caller's thread, then hand the work to the loop through a queue under
+// a mutex. submit(), stream() and abort() never wait for a forward; generate() and
+// RequestStream::next() wait for their own outputs only. The loop sleeps while there is no work
 // and wakes on submit() or abort(). Output callbacks run on the loop thread, one at a time, so a
 // callback must be quick and must not throw; it may call submit() and abort() (they do not wait for
 // the loop) but must not destroy the engine.
@@ -75,7 +75,7 @@ class Status {
 template <class T>
 class Result {
  public:
-  Result(T value) : state_(std::move(value)) {}    // NOLINT: implicit by design
+  Result(T value) : state_(std::move(value)) {}       // NOLINT: implicit by design
   Result(Status error) : state_(std::move(error)) {}  // NOLINT: implicit by design; not ok
 
   bool ok() const { return std::holds_alternative<T>(state_); }
@@ -105,10 +105,10 @@ struct EngineConfig {
   std::string kv_cache_dtype = "fp16";
   // "calibrated" (the checkpoint's scales), or "unit" (every scale 1.0: a negative control).
   std::string kv_scales_mode = "calibrated";
-  int64_t block_size = 64;              // tokens per KV cache block, a multiple of 16
-  int64_t max_model_len = 0;            // prompt plus output; 0: max_position_embeddings
-  int64_t max_num_seqs = 0;             // requests running at once; 0: 64
-  int64_t max_num_batched_tokens = 0;   // rows of one forward; 0: min(max_model_len, 8192)
+  int64_t block_size = 64;             // tokens per KV cache block, a multiple of 16
+  int64_t max_model_len = 0;           // prompt plus output; 0: max_position_embeddings
+  int64_t max_num_seqs = 0;            // requests running at once; 0: 64
+  int64_t max_num_batched_tokens = 0;  // rows of one forward; 0: min(max_model_len, 8192)
   // The KV cache pool, sized by at most one of these. None: a pool that holds one sequence of
   // max_model_len tokens (the least that can serve every request; more requests then take turns).
   std::optional<int64_t> kv_cache_memory_bytes;    // blocks and per-sequence states in this
@@ -122,8 +122,8 @@ struct EngineConfig {
 
 // vLLM's sampling and request fields, their names and meanings.
 struct SamplingParams {
-  int64_t max_tokens = 16;  // new tokens at most (also cut at max_model_len)
-  int64_t min_tokens = 0;   // no stop (id, EOS or string) before this many tokens
+  int64_t max_tokens = 16;   // new tokens at most (also cut at max_model_len)
+  int64_t min_tokens = 0;    // no stop (id, EOS or string) before this many tokens
   double temperature = 0.0;  // 0: greedy
   double top_p = 1.0;
   int64_t top_k = 0;  // 0 or -1: off
@@ -132,12 +132,12 @@ struct SamplingParams {
   double presence_penalty = 0.0;
   double frequency_penalty = 0.0;
   std::map<int32_t, double> logit_bias;  // token id -> added to its logit
-  uint64_t seed = 0;  // the request's own generator: the same tokens whatever else runs
-  std::vector<std::string> stop;       // stop strings (cut from the text)
+  uint64_t seed = 0;              // the request's own generator: the same tokens whatever else runs
+  std::vector<std::string> stop;  // stop strings (cut from the text)
   std::vector<int32_t> stop_token_ids;  // stop ids (kept in token_ids)
   bool ignore_eos = false;              // do not stop at the model's EOS ids
   bool include_stop_str_in_output = false;
-  bool skip_special_tokens = true;  // in the text
+  bool skip_special_tokens = true;         // in the text
   std::optional<int64_t> logprobs;         // 0..20: each new token's logprob and the top n
   std::optional<int64_t> prompt_logprobs;  // 0..20: the same for each prompt token after the first
 };
@@ -152,10 +152,10 @@ struct ChatMessage {
 // unless the last message is the assistant's).
 struct Prompt {
   // Implicit by design: submit("text", ...), submit(ids, ...), submit(messages, ...).
-  Prompt(std::string s) : text(std::move(s)) {}                          // NOLINT
-  Prompt(const char* s) : text(s) {}                                      // NOLINT
-  Prompt(std::vector<int32_t> ids) : token_ids(std::move(ids)) {}         // NOLINT
-  Prompt(std::vector<ChatMessage> chat) : messages(std::move(chat)) {}    // NOLINT
+  Prompt(std::string s) : text(std::move(s)) {}                         // NOLINT
+  Prompt(const char* s) : text(s) {}                                    // NOLINT
+  Prompt(std::vector<int32_t> ids) : token_ids(std::move(ids)) {}       // NOLINT
+  Prompt(std::vector<ChatMessage> chat) : messages(std::move(chat)) {}  // NOLINT
 
   std::optional<std::string> text;
   std::optional<std::vector<int32_t>> token_ids;
@@ -188,16 +188,16 @@ using RequestId = uint64_t;
 // One output of one request: what is new since its previous output.
 struct CompletionOutput {
   RequestId request_id = 0;
-  std::string text;                // text that became final with this output (may be empty)
-  std::vector<int32_t> token_ids;  // tokens generated since the previous output
-  std::vector<Logprob> logprobs;   // [token_ids.size()] when the request asked for logprobs
+  std::string text;                      // text that became final with this output (may be empty)
+  std::vector<int32_t> token_ids;        // tokens generated since the previous output
+  std::vector<Logprob> logprobs;         // [token_ids.size()] when the request asked for logprobs
   std::vector<Logprob> prompt_logprobs;  // prompt positions from prompt_logprobs_start on
   int64_t prompt_logprobs_start = 0;
   bool finished = false;
   // Set on the final output: "stop" (a stop id, EOS id or stop string), "length" (max_tokens or
   // max_model_len), "abort" (abort() or the engine's shutdown), "error" (see error).
   std::string finish_reason;
-  std::string stop_string;   // the stop string that matched
+  std::string stop_string;     // the stop string that matched
   int32_t stop_token_id = -1;  // the stop or EOS id that matched
   std::string error;
   Usage usage;  // the request's counts so far (final on the final output)
@@ -269,7 +269,8 @@ class LLMEngine {
   // What loading said: the pool line, and for an E4M3 cache the K/V scale summary.
   const std::vector<std::string>& notes() const;
   // Token ids <-> text with the model's tokenizer (errors: no tokenizer.json). Any thread.
-  Result<std::vector<int32_t>> encode(const std::string& text, bool add_special_tokens = true) const;
+  Result<std::vector<int32_t>> encode(const std::string& text,
+                                      bool add_special_tokens = true) const;
   Result<std::string> decode(const std::vector<int32_t>& ids,
                              bool skip_special_tokens = true) const;
 

@@ -115,8 +115,8 @@ class LLMEngine::Impl {
         loaded_(std::move(loaded)),
         tokenizer_(std::move(tokenizer)),
         eos_ids_(std::move(eos_ids)),
-        engine_(*loaded_.model, e4kv::EngineConfig{config.max_num_batched_tokens,
-                                                   config.max_num_seqs}) {
+        engine_(*loaded_.model,
+                e4kv::EngineConfig{config.max_num_batched_tokens, config.max_num_seqs}) {
     if (tokenizer_) processor_.emplace(*tokenizer_);
     loop_ = std::thread([this] { run_loop(); });
   }
@@ -140,12 +140,14 @@ class LLMEngine::Impl {
     const RequestId id = next_id_.fetch_add(1) + 1;
     {
       std::lock_guard lock(mu_);
-      if (stopping_) return Status::error("the engine is shutting down; the request was not queued");
+      if (stopping_) {
+        return Status::error("the engine is shutting down; the request was not queued");
+      }
       if (!broken_.empty()) {
         return Status::error(cat("the engine failed and takes no more requests: ", broken_));
       }
-      inbox_.push_back(Pending{id, std::move(ids).value(), std::move(params).value(),
-                               std::move(on_output)});
+      inbox_.push_back(
+          Pending{id, std::move(ids).value(), std::move(params).value(), std::move(on_output)});
       in_flight_.insert(id);
     }
     cv_.notify_one();
@@ -201,8 +203,8 @@ class LLMEngine::Impl {
     p.stop = sp.stop;
     p.include_stop_str_in_output = sp.include_stop_str_in_output;
     p.skip_special_tokens = sp.skip_special_tokens;
-    for (const auto& [n, name] : {std::pair{sp.logprobs, "logprobs"},
-                                  std::pair{sp.prompt_logprobs, "prompt_logprobs"}}) {
+    for (const auto& [n, name] :
+         {std::pair{sp.logprobs, "logprobs"}, std::pair{sp.prompt_logprobs, "prompt_logprobs"}}) {
       if (n && (*n < 0 || *n > kMaxLogprobs)) {
         return field_error(name, cat("must be in [0, ", kMaxLogprobs, "], got ", *n));
       }
@@ -214,7 +216,8 @@ class LLMEngine::Impl {
     }
     if (!p.stop.empty() && !tokenizer_) {
       return field_error("stop", cat("stop strings need the model's tokenizer.json to read the "
-                                     "output as text; ", config_.model, " has none"));
+                                     "output as text; ",
+                                     config_.model, " has none"));
     }
     return p;
   }
@@ -230,7 +233,8 @@ class LLMEngine::Impl {
       ids = *prompt.token_ids;
     } else {
       if (!tokenizer_) {
-        return field_error("prompt", cat(config_.model, " has no tokenizer.json, so text and "
+        return field_error("prompt", cat(config_.model,
+                                         " has no tokenizer.json, so text and "
                                          "messages cannot be encoded; give token ids"));
       }
       if (prompt.text) {
@@ -254,8 +258,7 @@ class LLMEngine::Impl {
         options.special_tokens_in_content = config_.special_tokens_in_content;
         Result<RenderedPrompt> rendered = render(messages, options);
         if (!rendered.ok()) return rendered.status();
-        ids = tokenizer_->encode(rendered->text, /*add_special_tokens=*/false,
-                                 rendered->untrusted);
+        ids = tokenizer_->encode(rendered->text, /*add_special_tokens=*/false, rendered->untrusted);
       }
     }
     if (ids.empty()) return field_error("prompt", "no tokens; give at least one");
@@ -298,8 +301,8 @@ class LLMEngine::Impl {
     if (total > pool_tokens) {
       return field_error("max_tokens",
                          cat("the request may grow to ", total, " tokens; the KV pool holds ",
-                             pool_tokens, " (", model.n_blocks(), " blocks of ",
-                             model.block_size(), "); lower max_tokens or give the pool more"));
+                             pool_tokens, " (", model.n_blocks(), " blocks of ", model.block_size(),
+                             "); lower max_tokens or give the pool more"));
     }
     return Status();
   }
@@ -450,7 +453,8 @@ class LLMEngine::Impl {
     };
     for (const TokenLogprobs& e : entries) {
       Logprob p{e.token, text(e.token), e.logprob, e.rank, {}};
-      for (const TokenLogprob& t : e.top) p.top_logprobs.push_back({t.token, text(t.token), t.logprob});
+      for (const TokenLogprob& t : e.top)
+        p.top_logprobs.push_back({t.token, text(t.token), t.logprob});
       out.push_back(std::move(p));
     }
     return out;
@@ -486,11 +490,13 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
   if (config.model.empty()) return field_error("model", "no model directory given");
   std::error_code ec;
   if (!fs::is_directory(config.model, ec)) {
-    return field_error("model", cat(config.model, ": not a directory; give a Hugging Face model "
-                                                  "directory (config.json, *.safetensors)"));
+    return field_error("model", cat(config.model,
+                                    ": not a directory; give a Hugging Face model "
+                                    "directory (config.json, *.safetensors)"));
   }
-  for (const auto& [n, name] : {std::pair{config.max_num_seqs, "max_num_seqs"},
-                                std::pair{config.max_num_batched_tokens, "max_num_batched_tokens"}}) {
+  for (const auto& [n, name] :
+       {std::pair{config.max_num_seqs, "max_num_seqs"},
+        std::pair{config.max_num_batched_tokens, "max_num_batched_tokens"}}) {
     if (n < 0) return field_error(name, cat("must be >= 0 (0: the model's default), got ", n));
   }
   ModelSetup setup;

@@ -155,12 +155,12 @@ TEST_F(LlmEngineApi, GreedyOutputsEqualTheInternalGenerateLoop) {
 
   const std::string text = "The quick brown fox jumps";
   const std::string chat = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n";
-  const std::vector<std::vector<int32_t>> prompts = {
-      prompt_ids(1), tokenizer().encode(text, true), tokenizer().encode(chat, false)};
-  auto done = (*engine)->generate(
-      {api::Prompt(prompt_ids(1)), api::Prompt(text),
-       api::Prompt(std::vector<api::ChatMessage>{{"user", "Say hello."}})},
-      params);
+  const std::vector<std::vector<int32_t>> prompts = {prompt_ids(1), tokenizer().encode(text, true),
+                                                     tokenizer().encode(chat, false)};
+  auto done =
+      (*engine)->generate({api::Prompt(prompt_ids(1)), api::Prompt(text),
+                           api::Prompt(std::vector<api::ChatMessage>{{"user", "Say hello."}})},
+                          params);
   ASSERT_TRUE(done.ok()) << done.message();
   ASSERT_EQ(done->size(), 3u);
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -288,8 +288,8 @@ TEST_F(LlmEngineApi, AbortFromAnotherThreadMidDecodeEndsOnlyThatRequest) {
   auto id = (*engine)->submit(prompt_ids(7), long_params, victim.callback());
   ASSERT_TRUE(id.ok()) << id.message();
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE((*engine)->submit(prompt_ids(20 + i), short_params, others[size_t(i)].callback())
-                    .ok());
+    ASSERT_TRUE(
+        (*engine)->submit(prompt_ids(20 + i), short_params, others[size_t(i)].callback()).ok());
   }
   std::thread aborter([&] {
     ASSERT_TRUE(wait_until([&] { return victim.tokens().size() >= 4; }));
@@ -392,8 +392,7 @@ TEST_F(LlmEngineApi, BadConfigurationsAreRefusedNamingTheFieldOrFile) {
          c.kv_cache_memory_bytes = 1 << 20;
          c.num_gpu_blocks_override = 8;
        },
-       "",
-       "kv_cache_memory_bytes, num_gpu_blocks_override and gpu_memory_utilization each size"},
+       "", "kv_cache_memory_bytes, num_gpu_blocks_override and gpu_memory_utilization each size"},
       {[](auto& c) { c.num_gpu_blocks_override = 2; }, "",
        "num_gpu_blocks_override: the KV cache pool holds 2 blocks"},
       {[](auto& c) { c.gpu_memory_utilization = 0.5; }, "",
@@ -457,7 +456,8 @@ TEST_F(LlmEngineApi, BadRequestsAreRefusedAtSubmitNamingTheField) {
   // generate() says which prompt, and queues none of them.
   api::SamplingParams p;
   p.max_tokens = 4;
-  auto batch = (*engine)->generate({api::Prompt(ok_prompt), api::Prompt(std::vector<int32_t>{})}, p);
+  auto batch =
+      (*engine)->generate({api::Prompt(ok_prompt), api::Prompt(std::vector<int32_t>{})}, p);
   ASSERT_FALSE(batch.ok());
   EXPECT_EQ(batch.message().rfind("prompts[1]: prompt: ", 0), 0u) << batch.message();
   EXPECT_EQ(calls.load(), 0);

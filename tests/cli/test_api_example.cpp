@@ -41,9 +41,9 @@ RunResult run_example(const fs::path& scratch, const std::string& args) {
 TEST(ApiExample, ThreePromptsFromThreeThreadsStreamAndFinishOnce) {
   TempDir tmp;
   const fs::path model = tmp.path() / "model";
-  RunResult made = run_cli(tmp.path(), {"synth-checkpoint", model.string(), "--layers", "2",
-                                        "--hidden-size", "32", "--heads", "2", "--kv-heads", "1",
-                                        "--head-dim", "16", "--vocab", "320"});
+  RunResult made = run_cli(
+      tmp.path(), {"synth-checkpoint", model.string(), "--layers", "2", "--hidden-size", "32",
+                   "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--vocab", "320"});
   ASSERT_EQ(made.exit_code, 0) << made.err;
 
   RunResult r = run_example(tmp.path(), shell_quote(model.string()) + " 7");
