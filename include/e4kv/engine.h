@@ -20,7 +20,8 @@
 // RequestStream::next() wait for their own outputs only. The loop sleeps while there is no work
 // and wakes on submit() or abort(). Output callbacks run on the loop thread, one at a time, so a
 // callback must be quick and must not throw; it may call submit() and abort() (they do not wait for
-// the loop) but must not destroy the engine.
+// the loop) but must not wait on the loop (generate(), RequestStream::next()) or destroy the
+// engine.
 //
 // Per request, outputs come in order: zero or more incremental outputs (new token ids and the
 // text that became final with them), then exactly one final output (finished = true, with the

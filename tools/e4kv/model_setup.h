@@ -1,5 +1,6 @@
 // What `generate` and `logits` share: the model flags (device, KV cache dtype and scales, block
-// size, max model length), the backend choice and the model load with its K/V scale log line.
+// size, max model length, pool size) over the library's model loading (api/model_setup.h, which
+// the public API uses too), with errors naming the flags and the load's notes printed.
 #pragma once
 
 #include <cstdint>
