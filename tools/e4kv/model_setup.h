@@ -1,5 +1,6 @@
 // What `generate` and `logits` share: the model flags (device, KV cache dtype and scales, block
-// size, max model length), the backend choice and the model load with its K/V scale log line.
+// size, max model length, pool size) over the library's model loading (api/model_setup.h, which
+// the public API uses too), with errors naming the flags and the load's notes printed.
 #pragma once
 
 #include <cstdint>
@@ -10,26 +11,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include "api/model_setup.h"
 #include "backend/backend.h"
 #include "core/status.h"
-#include "io/checkpoint.h"
-#include "model/model.h"
 
 namespace e4kv::cli {
 
-struct ModelFlags {
-  std::string model_dir;
-  std::string device = "cpu";
-  std::string kv_cache_dtype = "fp16";
-  std::string kv_scales = "calibrated";
-  int64_t block_size = 64;
-  int64_t max_model_len = 0;  // 0: config.json's max_position_embeddings
-  int threads = 0;            // CPU backend threads; 0: one per hardware thread
-  // The KV pool's size (add_pool_flags), at most one of them; none: a pool for the run's tokens.
-  std::optional<int64_t> kv_cache_memory_bytes;    // the pool (blocks and states) takes this
-  std::optional<int64_t> num_gpu_blocks_override;  // exactly this many blocks
-  std::optional<double> gpu_memory_utilization;    // this fraction of the device (CUDA only)
-};
+// The model flags are the library's ModelSetup (api/model_setup.h); the functions below name them
+// as flags in errors. (A type of its own, so a call with flags picks these over the library's.)
+struct ModelFlags : ModelSetup {};
 
 // Adds MODEL and the flags above to `cmd`.
 void add_model_flags(CLI::App* cmd, ModelFlags& flags);
@@ -41,15 +31,12 @@ void add_pool_flags(CLI::App* cmd, ModelFlags& flags);
 // The ranges of the numeric flags above; errors name the flag. load_model checks them too.
 Status validate_model_flags(const ModelFlags& flags);
 
-struct LoadedModel {
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<Model> model;
-};
+using LoadedModel = e4kv::LoadedModel;
 
 // "cpu", "cuda" or "cuda:N". A binary built without the CUDA backend says so for cuda.
 Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int threads);
 
+// e4kv::load_model (api/model_setup.h) with the flags' names in errors; the notes go to stderr.
 // Opens the checkpoint, picks the backend and loads the model. The KV pool: as a pool flag says
 // (refused when it cannot hold one sequence of the max model length), or else enough blocks for
 // `n_seqs` sequences of `tokens` tokens each (capped at the max model length). all_rows > 0: one

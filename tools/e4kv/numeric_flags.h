@@ -25,21 +25,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include "api/model_setup.h"
 #include "core/status.h"
 
 namespace e4kv::cli {
 
-// The most tokens a token-count flag takes (--max-model-len, --max-tokens, --prefill-chunk,
-// --request-tokens): positions are int32 in a forward batch, so no sequence is longer.
-inline constexpr int64_t kMaxTokenCount = std::numeric_limits<int32_t>::max();
+// The ranges of the token-count, pool and thread flags are the library's (api/model_setup.h:
+// kMaxTokenCount, kMaxPoolBytes, kMaxPoolBlocks, kMaxThreads).
 // The most sequences --max-seqs reserves for (sequence ids are int32 too).
 inline constexpr int64_t kMaxSequences = std::numeric_limits<int32_t>::max();
-// The most bytes --kv-cache-memory-bytes takes (1 PiB: beyond any device's memory).
-inline constexpr int64_t kMaxPoolBytes = int64_t(1) << 50;
-// The most blocks a KV pool has (block ids are int32).
-inline constexpr int64_t kMaxPoolBlocks = std::numeric_limits<int32_t>::max();
-// The most CPU threads --threads takes (0 is one per hardware thread).
-inline constexpr int64_t kMaxThreads = 4096;
 
 // The flag's text for an error message: on one line, and short.
 inline std::string flag_text_for_message(const std::string& text) {
