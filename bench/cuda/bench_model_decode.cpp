@@ -17,7 +17,7 @@
 #include "backend/cuda/device.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/synth_checkpoint.h"
 
 namespace {

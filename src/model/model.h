@@ -1,7 +1,7 @@
 // The model interface the engine runs on, whatever the family: load a checkpoint onto a Backend,
 // forward a batch of any mix of prefill chunks and decode rows of several sequences, and say what
 // memory a token and a sequence take. A family is a weight-name map and a composition of shared
-// layers (model/layers/): today the dense decoders (model/dense_model.h); Qwen4Exp's QSA,
+// layers (model/layers/): today the dense decoders (model/families/dense.h); Qwen4Exp's QSA,
 // GatedDeltaNet, MoE and hyper-connection layers join the same interface.
 //
 // Memory kinds a layer may own:

@@ -18,7 +18,7 @@
 #include "engine/generate.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/compare.h"
 #include "testing/synth_checkpoint.h"
 

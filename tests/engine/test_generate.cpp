@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/files.h"
 #include "testing/synth_checkpoint.h"
 

@@ -7,7 +7,7 @@
 // The reference rounds q, k and v to FP16 where the cache contract stores them (q after norm and
 // RoPE, k after norm and RoPE, v as projected), so what is left between the two is fp32 vs fp64
 // arithmetic: relative L2 of a few 1e-6, plus a rare FP16 rounding flip of one element.
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 
 #include <gtest/gtest.h>
 

@@ -23,7 +23,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/compare.h"
 
 namespace e4kv {

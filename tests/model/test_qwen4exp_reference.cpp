@@ -34,7 +34,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
-#include "model/qwen4exp_model.h"
+#include "model/families/qwen4exp.h"
 #include "testing/compare.h"
 #include "testing/files.h"
 #include "testing/hf_qwen4exp.h"

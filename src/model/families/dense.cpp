@@ -1,4 +1,4 @@
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 
 #include <algorithm>
 #include <fstream>
@@ -14,7 +14,6 @@
 #include "core/json.h"
 #include "kv/block_allocator.h"
 #include "model/probe.h"
-#include "model/qwen4exp_model.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -336,18 +335,6 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
                              "activations: the weights or the input overflow FP16)"));
   }
   return logits;
-}
-
-Result<std::unique_ptr<Model>> load_model(const Checkpoint& ckpt, Backend& backend,
-                                          const ModelOptions& options) {
-  if (is_qwen4exp(ckpt.config())) {
-    E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Qwen4ExpModel> model,
-                          Qwen4ExpModel::load(ckpt, backend, options));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-  E4KV_ASSIGN_OR_RETURN(std::unique_ptr<DenseModel> model,
-                        DenseModel::load(ckpt, backend, options));
-  return std::unique_ptr<Model>(std::move(model));
 }
 
 }  // namespace e4kv

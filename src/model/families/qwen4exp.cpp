@@ -1,4 +1,4 @@
-#include "model/qwen4exp_model.h"
+#include "model/families/qwen4exp.h"
 
 #include <algorithm>
 #include <cstdio>
