@@ -47,7 +47,7 @@ double median(std::vector<double> v) {
 }
 
 Row run(const Checkpoint& ckpt, Backend& backend, KvCacheDtype dtype, int batch) {
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode =
       dtype == KvCacheDtype::kE4m3 ? KvScalesMode::kUnit : KvScalesMode::kCalibrated;

@@ -279,7 +279,7 @@ Result<Runtime> load_runtime(const std::filesystem::path& dir,
   rt.backend = make_cpu_backend({2});
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
   rt.ckpt = std::make_unique<Checkpoint>(std::move(ckpt));
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode = mode;
   options.block_size = block_size;
@@ -634,7 +634,7 @@ TEST(DenseModel, SlidingWindowShorterThanContextIsRefused) {
   Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
   ASSERT_TRUE(ckpt.ok());
   auto backend = make_cpu_backend();
-  DenseModelOptions options;
+  ModelOptions options;
   options.n_blocks = 4;
   options.max_model_len = 8192;  // the synthetic window is 4096
   Result<std::unique_ptr<DenseModel>> model = DenseModel::load(*ckpt, *backend, options);

@@ -54,7 +54,7 @@ std::vector<fs::path> case_dirs() {
 }
 
 Result<std::unique_ptr<DenseModel>> load(const Checkpoint& ckpt, Backend& backend, int64_t tokens) {
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = KvCacheDtype::kF16;
   options.block_size = 16;
   options.n_blocks = (tokens + 15) / 16 + 1;

@@ -126,7 +126,7 @@ DenseModel::DenseModel() = default;
 DenseModel::~DenseModel() = default;
 
 Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Backend& backend,
-                                                     const DenseModelOptions& options) {
+                                                     const ModelOptions& options) {
   const ModelConfig& config = ckpt.config();
   const std::string config_path = (ckpt.dir() / "config.json").string();
   E4KV_ASSIGN_OR_RETURN(DenseModelSpec spec, dense_model_spec(config));

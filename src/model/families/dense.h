@@ -44,8 +44,6 @@ struct DenseModelSpec {
 // architecture and listing the supported ones.
 Result<DenseModelSpec> dense_model_spec(const ModelConfig& config);
 
-using DenseModelOptions = ModelOptions;
-
 class DenseModel final : public Model {
  public:
   // Checks the config (family, layer kinds, sliding window, RoPE type, hidden_act) and every
@@ -53,7 +51,7 @@ class DenseModel final : public Model {
   // for an E4M3 cache, uploads the weights and allocates the cache and every workspace for the
   // limits of `options`. Errors name the file, field or tensor and what to do.
   static Result<std::unique_ptr<DenseModel>> load(const Checkpoint& ckpt, Backend& backend,
-                                                  const DenseModelOptions& options);
+                                                  const ModelOptions& options);
 
   ~DenseModel() override;
   DenseModel(const DenseModel&) = delete;
@@ -97,7 +95,7 @@ class DenseModel final : public Model {
 
   ModelConfig config_;
   DenseModelSpec spec_;
-  DenseModelOptions options_;
+  ModelOptions options_;
   ModelLimits limits_;
   KvScales kv_scales_;
   RopeTable rope_;
