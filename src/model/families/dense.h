@@ -18,14 +18,10 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
-#include "kv/block_allocator.h"
-#include "kv/scale_gate.h"
-#include "model/kv_statistics.h"
+#include "model/families/model_core.h"
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
 #include "model/model.h"
-#include "model/rope.h"
-#include "model/step_context.h"
 
 namespace e4kv {
 
@@ -57,30 +53,27 @@ class DenseModel final : public Model {
   DenseModel(const DenseModel&) = delete;
   DenseModel& operator=(const DenseModel&) = delete;
 
-  const ModelConfig& config() const override { return config_; }
-  const ModelLimits& limits() const override { return limits_; }
-  const KvScales& kv_scales() const override { return kv_scales_; }
-  KvCacheDtype kv_cache_dtype() const override { return options_.kv_cache_dtype; }
-  int64_t block_size() const override { return options_.block_size; }
-  int64_t n_blocks() const override { return options_.n_blocks; }
+  const ModelConfig& config() const override { return core_.config; }
+  const ModelLimits& limits() const override { return core_.limits; }
+  const KvScales& kv_scales() const override { return core_.kv_scales; }
+  KvCacheDtype kv_cache_dtype() const override { return core_.options.kv_cache_dtype; }
+  int64_t block_size() const override { return core_.options.block_size; }
+  int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
-  Backend& backend() const override { return *backend_; }
+  Backend& backend() const override { return *core_.backend; }
   const DenseModelSpec& spec() const { return spec_; }
-  const RopeTable& rope() const { return rope_; }
+  const RopeTable& rope() const { return core_.rope; }
 
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
-  Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
-  Status begin_sequence(int32_t slot) override { return slots_.acquire(slot); }
-  Status free_sequence(int32_t slot) override { return slots_.release(slot); }
+  Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
+  Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }
+  Status free_sequence(int32_t slot) override { return core_.slots.release(slot); }
 
-  Status start_kv_statistics() override {
-    return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),
-                           options_.kv_cache_dtype);
-  }
-  Result<std::vector<LayerKvStats>> kv_statistics() override { return kv_stats_.read(); }
+  Status start_kv_statistics() override { return core_.start_kv_statistics(); }
+  Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }
   KvCacheView kv_cache(int64_t layer) const override { return cache_view(size_t(layer)); }
-  void stop_kv_statistics() override { kv_stats_.stop(); }
+  void stop_kv_statistics() override { core_.kv_stats.stop(); }
 
  private:
   struct Layer {
@@ -93,13 +86,8 @@ class DenseModel final : public Model {
   DenseModel();
   KvCacheView cache_view(size_t layer) const;
 
-  ModelConfig config_;
+  ModelCore core_;
   DenseModelSpec spec_;
-  ModelOptions options_;
-  ModelLimits limits_;
-  KvScales kv_scales_;
-  RopeTable rope_;
-  Backend* backend_ = nullptr;
 
   BackendBuffer embed_;       // [vocab, hidden]
   BackendBuffer final_norm_;  // [hidden]
@@ -107,8 +95,6 @@ class DenseModel final : public Model {
   std::vector<Layer> layers_;
   std::vector<BackendBuffer> caches_;  // per layer: [n_blocks, 2, block_size, n_kv_heads, head_dim]
   std::unique_ptr<Workspace> ws_;
-  SequenceSlots slots_;
-  KvStatisticsCollector kv_stats_;
 };
 
 }  // namespace e4kv
