@@ -234,7 +234,8 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
     E4KV_ASSIGN_OR_RETURN(*buffer, backend.allocate(rows * size_t(hidden) * act));
   }
   E4KV_ASSIGN_OR_RETURN(ws.attention,
-                        AttentionWorkspace::create(backend, attention, limits.max_batch_tokens));
+                        AttentionWorkspace::create(backend, attention.q_dim(), attention.kv_dim(),
+                                                   limits.max_batch_tokens));
   E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, config.intermediate_size,
                                                      limits.max_batch_tokens));
   return model;

@@ -343,7 +343,7 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
       E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
                                               *ws.qsa, non_finite,
                                               core_.kv_stats.sink(int64_t(l), batch.purpose)));
-      probe_attention_output(b, batch.probe, int64_t(l), ws.qsa->attn.as<float>(), n,
+      probe_attention_output(b, batch.probe, int64_t(l), ws.qsa->heads.attn.as<float>(), n,
                              qsa_shape_.q_dim());
       probe_qsa_selection(b, batch.probe, int64_t(l), ws.qsa->sel_tokens.as<int32_t>(),
                           ws.qsa->sel_counts.as<int32_t>(), n, qsa_shape_.sel_width());
