@@ -27,17 +27,18 @@ void LogitsHead::begin_step(Backend& b) const {
 }
 
 Result<std::vector<float>> LogitsHead::logits(Backend& b, const StepContext& step, const void* x,
-                                              const FinalNorm& final_norm) const {
+                                              const FinalNorm& final_norm,
+                                              StepProfiler* profiler) const {
   const int64_t m = step.n_logits();
   std::vector<float> logits(static_cast<size_t>(m * vocab_));
   if (m == 0) return logits;
-  b.profile_mark("lm_head");
+  if (profiler != nullptr) profiler->mark("lm_head");
   E4KV_RETURN_IF_ERROR(b.gather_rows(x, step.logit_rows(), m, width_, xs_.data()));
   void* normed = hs_.empty() ? xs_.data() : hs_.data();
   E4KV_RETURN_IF_ERROR(final_norm(xs_.data(), m, normed));
   E4KV_RETURN_IF_ERROR(
       b.linear(normed, projection_, nullptr, m, hidden_, vocab_, logits_.data(), DType::kF32));
-  b.profile_mark("logits_copy");
+  if (profiler != nullptr) profiler->mark("logits_copy");
   b.copy_to_host(logits.data(), logits_.data(), logits.size() * sizeof(float));
   return logits;
 }

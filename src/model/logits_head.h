@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiler.h"
 #include "core/status.h"
 #include "model/model.h"
 #include "model/step_context.h"
@@ -33,9 +34,9 @@ class LogitsHead {
   unsigned long long* non_finite() const { return non_finite_.as<unsigned long long>(); }
 
   // logits [step.n_logits(), vocab] fp32, row-major, of the rows step.logit_rows() of
-  // x [step.n_rows(), width] act.
+  // x [step.n_rows(), width] act. profiler: nullptr or the step's profile.
   Result<std::vector<float>> logits(Backend& backend, const StepContext& step, const void* x,
-                                    const FinalNorm& final_norm) const;
+                                    const FinalNorm& final_norm, StepProfiler* profiler) const;
   // Errors when a cache write of the step met a non-finite K or V value.
   Status check_non_finite(Backend& backend) const;
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiler.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
@@ -146,6 +147,10 @@ class Model {
   // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
   // the text model skips.
   virtual std::vector<std::string> load_notes() const { return {}; }
+
+  // Marks each section of later forwards (embedding, each layer's mixer and ffn, the logits) on
+  // `profiler`, which outlives its use here; nullptr (the default) marks nothing.
+  virtual void set_step_profiler(StepProfiler* profiler) = 0;
 
   // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
   // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs

@@ -266,11 +266,11 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
   const float eps = static_cast<float>(c.rms_norm_eps);
   head.begin_step(b);
 
-  b.profile_mark("embed");
+  core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    b.profile_mark("attention");
+    core_.mark("attention");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     probe_attention_input(b, batch.probe, int64_t(l), ws.h.data(),
@@ -281,18 +281,18 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
     probe_attention_output(b, batch.probe, int64_t(l), ws.attention.attn.as<float>(), n,
                            layer.attention.shape().q_dim());
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
-    b.profile_mark("mlp");
+    core_.mark("mlp");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
   }
 
-  E4KV_ASSIGN_OR_RETURN(
-      std::vector<float> logits,
-      head.logits(b, step, ws.x.data(), [&](const void* in, int64_t m, void* out) {
-        return b.rms_norm(in, final_norm_.data(), m, hidden, eps, RmsNormForm::kWeight, out);
-      }));
+  const LogitsHead::FinalNorm final_norm = [&](const void* in, int64_t m, void* out) {
+    return b.rms_norm(in, final_norm_.data(), m, hidden, eps, RmsNormForm::kWeight, out);
+  };
+  E4KV_ASSIGN_OR_RETURN(std::vector<float> logits,
+                        head.logits(b, step, ws.x.data(), final_norm, core_.profiler));
   E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
   return logits;
 }

@@ -61,6 +61,7 @@ class DenseModel final : public Model {
   int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
   Backend& backend() const override { return *core_.backend; }
+  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
   const DenseModelSpec& spec() const { return spec_; }
   const RopeTable& rope() const { return core_.rope; }
 

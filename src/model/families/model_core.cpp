@@ -22,7 +22,8 @@ Status ModelCore::load_rope_and_scales(const Checkpoint& ckpt) {
 }
 
 Status ModelCore::create_step_and_head(int64_t width, const void* projection) {
-  E4KV_ASSIGN_OR_RETURN(StepContext created, StepContext::create(*backend, limits, rope.rotary_dim));
+  E4KV_ASSIGN_OR_RETURN(StepContext created,
+                        StepContext::create(*backend, limits, rope.rotary_dim));
   step.emplace(std::move(created));
   E4KV_ASSIGN_OR_RETURN(LogitsHead logits_head,
                         LogitsHead::create(*backend, limits, width, config.hidden_size,
@@ -32,7 +33,7 @@ Status ModelCore::create_step_and_head(int64_t width, const void* projection) {
 }
 
 Status ModelCore::build_step(const ForwardBatch& batch) {
-  backend->profile_mark("step_context");
+  mark("step_context");
   return step->build(batch, &rope, config.vocab_size, options.block_size, options.n_blocks);
 }
 

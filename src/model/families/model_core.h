@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "backend/backend.h"
+#include "backend/profiler.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "kv/kv_cache_view.h"
@@ -28,6 +29,7 @@ struct ModelCore {
   KvScales kv_scales;
   RopeTable rope;
   Backend* backend = nullptr;
+  StepProfiler* profiler = nullptr;  // optional (Model::set_step_profiler)
   SequenceSlots slots;
   KvStatisticsCollector kv_stats;
   std::optional<StepContext> step;  // create_step_and_head
@@ -45,6 +47,11 @@ struct ModelCore {
   // The main KV cache of `layer` over `data`: the model's geometry and, for an E4M3 cache, the
   // layer's scales.
   KvCacheView kv_cache_view(void* data, size_t layer) const;
+
+  // Opens the profile's section `section` when profiling.
+  void mark(const char* section) const {
+    if (profiler != nullptr) profiler->mark(section);
+  }
 
   // Checks `batch` and builds the step's metadata (StepContext::build).
   Status build_step(const ForwardBatch& batch);

@@ -323,20 +323,20 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   const int64_t hidden = core_.config.hidden_size;
   unsigned long long* non_finite = core_.head->non_finite();
 
-  b.profile_mark("embed");
+  core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
   E4KV_RETURN_IF_ERROR(b.hc_expand(ws.e.data(), n, hc_shape_.streams, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     LayerMemory& mem = memory_[l];
     if (layer.ple) {
-      b.profile_mark("ple");
+      core_.mark("ple");
       E4KV_RETURN_IF_ERROR(
           layer.ple->forward(b, batch.token_ids, step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
     }
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
-    b.profile_mark(layer.qsa ? "qsa" : "delta_net");
+    core_.mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
       probe_attention_input(b, batch.probe, int64_t(l), ws.mix.data(),
                             size_t(n * hidden) * dtype_size(b.act_dtype()));
@@ -351,12 +351,12 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
       E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
                                                     ws.y.data(), *mem.delta_net, *ws.delta_net));
     }
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
-    b.profile_mark("moe");
+    core_.mark("moe");
     E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
   }
   return ok_status();
@@ -381,13 +381,15 @@ Result<std::vector<float>> Qwen4ExpModel::forward(const ForwardBatch& batch) {
   const StepContext& step = *core_.step;
   head.begin_step(b);
 
+  // No final RMSNorm: the final mixer's norm is it.
+  const LogitsHead::FinalNorm final_mix = [&](const void* in, int64_t m, void* out) {
+    return final_mixer_->mix(b, m, in, out, ws.hc);
+  };
+
   // From here on the sequences' states change: a failure leaves them undefined.
-  Status status = run_layers(batch);
+  const Status status = run_layers(batch);
   Result<std::vector<float>> logits =
-      status.ok() ? head.logits(b, step, ws.x.data(),
-                                [&](const void* in, int64_t m, void* out) {
-                                  return final_mixer_->mix(b, m, in, out, ws.hc);
-                                })
+      status.ok() ? head.logits(b, step, ws.x.data(), final_mix, core_.profiler)
                   : Result<std::vector<float>>(status);
   if (!logits.ok()) {
     for (int32_t slot : batch.seq_slots) core_.slots.poison(slot);

@@ -57,6 +57,7 @@ class Qwen4ExpModel final : public Model {
   int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
   Backend& backend() const override { return *core_.backend; }
+  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
 
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
   Result<int32_t> allocate_sequence() override;
