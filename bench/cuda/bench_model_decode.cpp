@@ -17,7 +17,7 @@
 #include "backend/cuda/device.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/synth_checkpoint.h"
 
 namespace {
@@ -47,7 +47,7 @@ double median(std::vector<double> v) {
 }
 
 Row run(const Checkpoint& ckpt, Backend& backend, KvCacheDtype dtype, int batch) {
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode =
       dtype == KvCacheDtype::kE4m3 ? KvScalesMode::kUnit : KvScalesMode::kCalibrated;

@@ -15,8 +15,8 @@
 // experts', the selected K/V rows, the indexer rows it scores, the recurrent and conv states read
 // and written) at the device-to-device copy rate measured in the same run.
 //
-// One decode step of every cell is profiled by section (Backend::profile_begin), isolated and in
-// place: the per-layer-kind timeline of where the step's time goes.
+// One decode step of every cell is profiled by section (StepProfiler, backend/profiler.h),
+// isolated and in place: the per-layer-kind timeline of where the step's time goes.
 //
 // Usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] [--contexts 4096,...]
 //        [--cache fp16|e4m3|both] [--keep-checkpoint DIR [--checkpoint-only]]
@@ -80,7 +80,7 @@ struct Row {
   int64_t context = 0;
   double step_ms = 0;
   double prefill_tokens_per_s = 0;  // first sequence, batch-1 cells only
-  // One decode step profiled twice (Backend::profile_begin): isolated (each section's own device
+  // One decode step profiled twice (StepProfiler::begin): isolated (each section's own device
   // time and the host's cost to issue it) and in place (the span each section took in a step).
   std::vector<ProfileSection> isolated, in_place;
 };
@@ -280,11 +280,15 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
       samples.push_back(seconds_since(t0) * 1e3 / kStepsPerSample);
     }
     Row row;
+    StepProfiler* profiler = cuda_step_profiler(backend);
+    if (profiler == nullptr) die("the step profile needs the CUDA backend");
+    model.set_step_profiler(profiler);
     for (const bool isolate : {true, false}) {
-      backend.profile_begin(isolate);
+      profiler->begin(isolate);
       step();
-      (isolate ? row.isolated : row.in_place) = backend.profile_end();
+      (isolate ? row.isolated : row.in_place) = profiler->end();
     }
+    model.set_step_profiler(nullptr);
     row.cache = dtype == KvCacheDtype::kE4m3 ? "e4m3" : "fp16";
     row.batch = cell.batch;
     row.context = cell.context;

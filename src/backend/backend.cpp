@@ -1,7 +1,5 @@
 #include "backend/backend.h"
 
-#include <algorithm>
-
 namespace e4kv {
 namespace {
 
@@ -12,16 +10,6 @@ Status no_hybrid_op(const Backend& backend, const char* op) {
 }
 
 }  // namespace
-
-void add_profile_section(std::vector<ProfileSection>& sections, const char* name, double host_ms,
-                         double device_ms) {
-  auto it = std::find_if(sections.begin(), sections.end(),
-                         [&](const ProfileSection& s) { return s.name == name; });
-  if (it == sections.end()) it = sections.insert(sections.end(), ProfileSection{name, 0, 0, 0});
-  it->count += 1;
-  it->host_ms += host_ms;
-  it->device_ms += device_ms;
-}
 
 Status Backend::rms_norm_grouped(const void*, const void*, int64_t, int64_t, int64_t, float,
                                  RmsNormForm, void*) {

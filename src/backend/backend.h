@@ -96,14 +96,6 @@ struct DeviceMemoryInfo {
   std::string device_name;  // the card's own name, e.g. "NVIDIA H100 80GB HBM3"
 };
 
-// One named section of a step profile (Backend::profile_begin): `count` marks, summed times.
-struct ProfileSection {
-  std::string name;
-  int64_t count = 0;
-  double host_ms = 0;
-  double device_ms = 0;
-};
-
 // The statistics (kv/kv_histogram.h) of the K and V values that cache writes received, accumulated
 // where the backend runs them (Backend::make_kv_write_stats).
 class KvWriteStats {
@@ -115,10 +107,6 @@ class KvWriteStats {
   // Zeroes the accumulators (ordered with the backend's ops).
   virtual void reset() = 0;
 };
-
-// Adds one closed section to `sections` (summed by name, first-seen order).
-void add_profile_section(std::vector<ProfileSection>& sections, const char* name, double host_ms,
-                         double device_ms);
 
 class Backend {
  public:
@@ -151,22 +139,6 @@ class Backend {
   // act_dtype(). Errors name the tensor: another dtype; for a kF16 backend, a finite value beyond
   // the FP16 range (|x| > 65504 after rounding) in an F32 or BF16 tensor.
   virtual Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) = 0;
-
-  // ---- step profile (a measuring tool for benchmarks; one untaken branch per mark when off) ----
-  // profile_begin() starts collecting; each profile_mark() closes the open section and opens
-  // `section` (a string that outlives the profile); profile_end() closes the last one, waits for
-  // the device and returns the sections summed by name, in first-seen order. With `isolate`, each
-  // mark waits for the device to finish the previous section and then holds it back (a spin of
-  // about kProfileIsolateMicros), so the host issues the section's ops while the device waits and
-  // the device then runs them back to back: device_ms is the ops' own time and host_ms the host's
-  // cost to issue them (for sections the host issues within the hold). Without it,
-  // device_ms is the span the section occupied on the device in a normal step (waits included).
-  // The CPU backend's ops finish before they return: its host_ms is their time (device_ms = 0).
-  // The default collects nothing.
-  static constexpr int kProfileIsolateMicros = 500;
-  virtual void profile_begin(bool /*isolate*/) {}
-  virtual void profile_mark(const char* /*section*/) {}
-  virtual std::vector<ProfileSection> profile_end() { return {}; }
 
   // ---- ops (all pointers in backend memory) ----
 

@@ -115,25 +115,4 @@ int64_t slot_for_position(const BlockTable& table, int64_t pos, int64_t block_si
          pos % block_size;
 }
 
-void append_slot_mapping(const BlockTable& table, int64_t start, int64_t n, int64_t block_size,
-                         std::vector<int64_t>& slots) {
-  slots.reserve(slots.size() + static_cast<size_t>(n));
-  for (int64_t pos = start; pos < start + n; ++pos) {
-    slots.push_back(slot_for_position(table, pos, block_size));
-  }
-}
-
-BlockTableBatch::BlockTableBatch(const std::vector<const BlockTable*>& tables)
-    : n_seqs_(static_cast<int64_t>(tables.size())) {
-  for (const BlockTable* table : tables) {
-    max_blocks_ = std::max(max_blocks_, static_cast<int64_t>(table->blocks.size()));
-  }
-  data_.assign(static_cast<size_t>(n_seqs_ * max_blocks_), -1);
-  for (int64_t s = 0; s < n_seqs_; ++s) {
-    std::copy(tables[static_cast<size_t>(s)]->blocks.begin(),
-              tables[static_cast<size_t>(s)]->blocks.end(),
-              data_.begin() + static_cast<ptrdiff_t>(s * max_blocks_));
-  }
-}
-
 }  // namespace e4kv

@@ -90,20 +90,4 @@ class BlockAllocator {
 // + pos % block_size, the token row index into [n_blocks * block_size] of a cache.
 int64_t slot_for_position(const BlockTable& table, int64_t pos, int64_t block_size);
 
-// Appends the slots of positions [start, start + n) of a sequence to `slots`.
-void append_slot_mapping(const BlockTable& table, int64_t start, int64_t n, int64_t block_size,
-                         std::vector<int64_t>& slots);
-
-// Block tables of a batch, padded with -1 to the longest: owns the storage behind BlockTableView.
-class BlockTableBatch {
- public:
-  explicit BlockTableBatch(const std::vector<const BlockTable*>& tables);
-  BlockTableView view() const { return {data_.data(), n_seqs_, max_blocks_}; }
-
- private:
-  std::vector<int32_t> data_;  // [n_seqs, max_blocks_per_seq]
-  int64_t n_seqs_ = 0;
-  int64_t max_blocks_ = 0;
-};
-
 }  // namespace e4kv

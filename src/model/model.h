@@ -1,7 +1,7 @@
 // The model interface the engine runs on, whatever the family: load a checkpoint onto a Backend,
 // forward a batch of any mix of prefill chunks and decode rows of several sequences, and say what
 // memory a token and a sequence take. A family is a weight-name map and a composition of shared
-// layers (model/layers/): today the dense decoders (model/dense_model.h); Qwen4Exp's QSA,
+// layers (model/layers/): today the dense decoders (model/families/dense.h); Qwen4Exp's QSA,
 // GatedDeltaNet, MoE and hyper-connection layers join the same interface.
 //
 // Memory kinds a layer may own:
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiler.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
@@ -161,6 +162,10 @@ class Model {
   // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
   // the text model skips.
   virtual std::vector<std::string> load_notes() const { return {}; }
+
+  // Marks each section of later forwards (embedding, each layer's mixer and ffn, the logits) on
+  // `profiler`, which outlives its use here; nullptr (the default) marks nothing.
+  virtual void set_step_profiler(StepProfiler* profiler) = 0;
 
   // Per-sequence state: a slot of the model's pools (limits().max_seqs of them), initialised for
   // a new sequence (zero states, an EOS-filled n-gram history). Every sequence a forward runs

@@ -18,7 +18,7 @@
 #include "engine/generate.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/compare.h"
 #include "testing/synth_checkpoint.h"
 
@@ -67,8 +67,8 @@ double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
   return test::compare(got, ref, 0.0, 0.0).rel_l2;
 }
 
-DenseModelOptions small_cache(KvCacheDtype dtype, KvScalesMode mode) {
-  DenseModelOptions options;
+ModelOptions small_cache(KvCacheDtype dtype, KvScalesMode mode) {
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode = mode;
   options.block_size = 16;
@@ -127,7 +127,7 @@ TEST(DenseModelCuda, E4m3CacheAgreesWithCpuBackend) {
     const nlohmann::json ref = read_json(dir / "reference.json");
     Result<Checkpoint> ckpt = Checkpoint::open(dir);
     ASSERT_TRUE(ckpt.ok()) << ckpt.message();
-    const DenseModelOptions options = small_cache(KvCacheDtype::kE4m3, KvScalesMode::kUnit);
+    const ModelOptions options = small_cache(KvCacheDtype::kE4m3, KvScalesMode::kUnit);
     Result<std::unique_ptr<DenseModel>> on_gpu = DenseModel::load(*ckpt, **gpu, options);
     Result<std::unique_ptr<DenseModel>> on_cpu = DenseModel::load(*ckpt, *cpu, options);
     ASSERT_TRUE(on_gpu.ok()) << on_gpu.message();
@@ -179,7 +179,7 @@ TEST(DenseModelCuda, Bf16BeyondFp16RangeIsALoadError) {
 
   Result<std::unique_ptr<Backend>> gpu = make_cuda_backend();
   ASSERT_TRUE(gpu.ok()) << gpu.message();
-  const DenseModelOptions cache = small_cache(KvCacheDtype::kF16, KvScalesMode::kCalibrated);
+  const ModelOptions cache = small_cache(KvCacheDtype::kF16, KvScalesMode::kCalibrated);
   Result<std::unique_ptr<DenseModel>> on_gpu = DenseModel::load(*ckpt, **gpu, cache);
   ASSERT_FALSE(on_gpu.ok());
   EXPECT_NE(on_gpu.message().find(bad), std::string::npos) << on_gpu.message();

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/files.h"
 #include "testing/synth_checkpoint.h"
 
@@ -29,7 +29,7 @@ class Generate : public ::testing::Test {
   }
 
   std::unique_ptr<DenseModel> load(int64_t max_model_len = 128, int64_t max_batch_tokens = 0) {
-    DenseModelOptions options;
+    ModelOptions options;
     options.block_size = 16;
     options.n_blocks = 8;
     options.max_model_len = max_model_len;

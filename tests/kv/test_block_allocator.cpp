@@ -186,11 +186,10 @@ TEST(BlockAllocator, RandomOperationsKeepTheInvariants) {
         std::copy_n(cache.begin() + copy.src * block_size, block_size,
                     cache.begin() + copy.dst * block_size);
       }
-      std::vector<int64_t> slots;
-      append_slot_mapping(seq.table, start, n, block_size, slots);
       for (int64_t i = 0; i < n; ++i) {
         seq.tokens.push_back(next_value);
-        cache[static_cast<size_t>(slots[static_cast<size_t>(i)])] = next_value++;
+        cache[static_cast<size_t>(slot_for_position(seq.table, start + i, block_size))] =
+            next_value++;
       }
       return true;
     };
@@ -232,26 +231,6 @@ TEST(SlotMapping, FollowsTheBlockTable) {
   EXPECT_EQ(slot_for_position(table, 15, 16), 95);   // block 5, row 15
   EXPECT_EQ(slot_for_position(table, 16, 16), 32);   // block 2, row 0
   EXPECT_EQ(slot_for_position(table, 39, 16), 151);  // block 9, row 7
-  std::vector<int64_t> slots = {-1};                 // appends after what is there
-  append_slot_mapping(table, 14, 4, 16, slots);
-  EXPECT_EQ(slots, (std::vector<int64_t>{-1, 94, 95, 32, 33}));
-}
-
-TEST(SlotMapping, BatchPadsBlockTablesWithMinusOne) {
-  BlockTable a;
-  a.blocks = {3, 1};
-  BlockTable b;
-  b.blocks = {0, 4, 2, 7};
-  BlockTable c;  // empty
-  const BlockTableBatch batch({&a, &b, &c});
-  const BlockTableView view = batch.view();
-  ASSERT_EQ(view.n_seqs, 3);
-  ASSERT_EQ(view.max_blocks_per_seq, 4);
-  EXPECT_EQ(view.block(0, 0), 3);
-  EXPECT_EQ(view.block(0, 1), 1);
-  EXPECT_EQ(view.block(0, 2), -1);
-  EXPECT_EQ(view.block(1, 3), 7);
-  EXPECT_EQ(view.block(2, 0), -1);
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 // The reference rounds q, k and v to FP16 where the cache contract stores them (q after norm and
 // RoPE, k after norm and RoPE, v as projected), so what is left between the two is fp32 vs fp64
 // arithmetic: relative L2 of a few 1e-6, plus a rare FP16 rounding flip of one element.
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 
 #include <gtest/gtest.h>
 
@@ -279,7 +279,7 @@ Result<Runtime> load_runtime(const std::filesystem::path& dir,
   rt.backend = make_cpu_backend({2});
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
   rt.ckpt = std::make_unique<Checkpoint>(std::move(ckpt));
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode = mode;
   options.block_size = block_size;
@@ -634,7 +634,7 @@ TEST(DenseModel, SlidingWindowShorterThanContextIsRefused) {
   Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
   ASSERT_TRUE(ckpt.ok());
   auto backend = make_cpu_backend();
-  DenseModelOptions options;
+  ModelOptions options;
   options.n_blocks = 4;
   options.max_model_len = 8192;  // the synthetic window is 4096
   Result<std::unique_ptr<DenseModel>> model = DenseModel::load(*ckpt, *backend, options);

@@ -23,7 +23,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 #include "testing/compare.h"
 
 namespace e4kv {
@@ -54,7 +54,7 @@ std::vector<fs::path> case_dirs() {
 }
 
 Result<std::unique_ptr<DenseModel>> load(const Checkpoint& ckpt, Backend& backend, int64_t tokens) {
-  DenseModelOptions options;
+  ModelOptions options;
   options.kv_cache_dtype = KvCacheDtype::kF16;
   options.block_size = 16;
   options.n_blocks = (tokens + 15) / 16 + 1;

@@ -32,9 +32,10 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/profiler.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
-#include "model/qwen4exp_model.h"
+#include "model/families/qwen4exp.h"
 #include "testing/compare.h"
 #include "testing/files.h"
 #include "testing/hf_qwen4exp.h"
@@ -357,8 +358,8 @@ TEST(Qwen4ExpModel, SyntheticCheckpointLoadsAndRuns) {
   }
 }
 
-// The step profile (Backend::profile_begin) sees every section of the forward once per layer of
-// its kind, and nothing when it is off.
+// The step profile (Model::set_step_profiler) sees every section of the forward once per layer of
+// its kind, and nothing when it is off or when the model has no profiler.
 TEST(Qwen4ExpModel, StepProfileCountsEverySectionOfTheForward) {
   testing_support::TempDir tmp;
   SynthCheckpointOptions synth;
@@ -376,10 +377,12 @@ TEST(Qwen4ExpModel, StepProfileCountsEverySectionOfTheForward) {
   Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
   ASSERT_TRUE(model.ok()) << model.message();
   const std::vector<int32_t> ids = {5, 6, 7};
-  EXPECT_TRUE(backend->profile_end().empty());  // never begun
-  backend->profile_begin(/*isolate=*/false);
+  HostStepProfiler profiler;
+  (*model)->set_step_profiler(&profiler);
+  EXPECT_TRUE(profiler.end().empty());  // never begun
+  profiler.begin(/*isolate=*/false);
   ASSERT_TRUE(all_logits(**model, ids).ok());
-  const std::vector<ProfileSection> sections = backend->profile_end();
+  const std::vector<ProfileSection> sections = profiler.end();
   std::vector<std::pair<std::string, int64_t>> seen;
   for (const ProfileSection& s : sections) {
     seen.emplace_back(s.name, s.count);
@@ -392,7 +395,12 @@ TEST(Qwen4ExpModel, StepProfileCountsEverySectionOfTheForward) {
   EXPECT_EQ(seen, expected);
   // Off again: a forward adds nothing.
   ASSERT_TRUE(all_logits(**model, ids).ok());
-  EXPECT_TRUE(backend->profile_end().empty());
+  EXPECT_TRUE(profiler.end().empty());
+  // Collecting, but the model holds no profiler: nothing is marked.
+  (*model)->set_step_profiler(nullptr);
+  profiler.begin(/*isolate=*/false);
+  ASSERT_TRUE(all_logits(**model, ids).ok());
+  EXPECT_TRUE(profiler.end().empty());
 }
 
 }  // namespace

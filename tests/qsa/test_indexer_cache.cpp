@@ -104,14 +104,23 @@ void write_step(const IndexerSetup& s, Caches& caches, const std::vector<Chunk>&
     rings.push_back(c.ring);
     tables.push_back(c.table);
   }
-  const BlockTableBatch block_tables(tables);
+  // The tables padded with -1 to the longest, as a step's block table is.
+  int64_t max_blocks = 0;
+  for (const BlockTable* table : tables) {
+    max_blocks = std::max(max_blocks, static_cast<int64_t>(table->blocks.size()));
+  }
+  std::vector<int32_t> padded(tables.size() * static_cast<size_t>(max_blocks), -1);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    std::copy(tables[i]->blocks.begin(), tables[i]->blocks.end(),
+              padded.begin() + static_cast<ptrdiff_t>(i) * max_blocks);
+  }
   IndexerWriteBatch batch;
   batch.index_k = index_k.data();
   batch.token_offsets = offsets.data();
   batch.start_pos = starts.data();
   batch.ring_index = rings.data();
   batch.n_seqs = static_cast<int64_t>(chunks.size());
-  batch.block_tables = block_tables.view();
+  batch.block_tables = {padded.data(), static_cast<int64_t>(tables.size()), max_blocks};
   indexer_cache_write(caches.compressed_view, caches.ring_view, batch, s.norm_rope());
 }
 

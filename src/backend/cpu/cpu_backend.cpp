@@ -3,7 +3,6 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -103,24 +102,6 @@ class CpuBackend final : public Backend {
     if (bytes > 0) std::memset(dst, 0, bytes);
   }
   void synchronize() override {}
-
-  void profile_begin(bool /*isolate*/) override {
-    profiling_ = true;
-    profile_sections_.clear();
-    open_section_ = nullptr;
-  }
-  void profile_mark(const char* section) override {
-    if (!profiling_) return;
-    close_profile_section();
-    open_section_ = section;
-    section_start_ = std::chrono::steady_clock::now();
-  }
-  std::vector<ProfileSection> profile_end() override {
-    if (!profiling_) return {};
-    close_profile_section();
-    profiling_ = false;
-    return std::move(profile_sections_);
-  }
 
   Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) override {
     const int64_t n = tensor.numel();
@@ -479,20 +460,6 @@ class CpuBackend final : public Backend {
   void release(void* data) override { std::free(data); }
 
  private:
-  // The host times are the ops' own: every CPU op has finished when it returns.
-  void close_profile_section() {
-    if (open_section_ == nullptr) return;
-    const double ms = std::chrono::duration<double, std::milli>(
-                          std::chrono::steady_clock::now() - section_start_)
-                          .count();
-    add_profile_section(profile_sections_, open_section_, ms, 0.0);
-    open_section_ = nullptr;
-  }
-
-  bool profiling_ = false;
-  const char* open_section_ = nullptr;
-  std::chrono::steady_clock::time_point section_start_;
-  std::vector<ProfileSection> profile_sections_;
   static float* f32(void* p) { return static_cast<float*>(p); }
   static const float* f32(const void* p) { return static_cast<const float*>(p); }
 

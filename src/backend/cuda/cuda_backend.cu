@@ -61,7 +61,8 @@ class DeviceKvWriteStats final : public KvWriteStats {
   cudaStream_t stream_;
 };
 
-class CudaBackend final : public Backend {
+// Also the step profiler of its stream (backend/profiler.h): CUDA events around each section.
+class CudaBackend final : public Backend, public StepProfiler {
  public:
   explicit CudaBackend(const CudaBackendOptions& options)
       : device_(options.device), attention_(options.device, options.force_software_e4m3) {
@@ -132,40 +133,40 @@ class CudaBackend final : public Backend {
   }
   void synchronize() override { E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
-  void profile_begin(bool isolate) override {
+  void begin(bool isolate) override {
     profiling_ = true;
     profile_isolate_ = isolate;
     profile_marks_.clear();
     profile_events_used_ = 0;
   }
-  void profile_mark(const char* section) override {
+  void mark(const char* section) override {
     if (!profiling_) return;
     close_profile_section();
     if (profile_isolate_) {
       // The previous section drains first, so the hold below is never behind queued work and the
       // host issues this section into an empty queue (no back-pressure in host_ms).
       E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      cuda::profile_spin(kProfileIsolateMicros, stream_);
+      cuda::profile_spin(kIsolateMicros, stream_);
     }
-    ProfileMark mark;
-    mark.section = section;
-    mark.start = profile_event();
-    E4KV_CUDA_CHECK(cudaEventRecord(mark.start, stream_));
-    mark.host_start = std::chrono::steady_clock::now();
-    profile_marks_.push_back(mark);
+    ProfileMark opened;
+    opened.section = section;
+    opened.start = profile_event();
+    E4KV_CUDA_CHECK(cudaEventRecord(opened.start, stream_));
+    opened.host_start = std::chrono::steady_clock::now();
+    profile_marks_.push_back(opened);
   }
-  std::vector<ProfileSection> profile_end() override {
+  std::vector<ProfileSection> end() override {
     if (!profiling_) return {};
     close_profile_section();
     profiling_ = false;
     E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::vector<ProfileSection> sections;
-    for (const ProfileMark& mark : profile_marks_) {
+    for (const ProfileMark& closed : profile_marks_) {
       float ms = 0;
-      E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, mark.start, mark.end));
+      E4KV_CUDA_CHECK(cudaEventElapsedTime(&ms, closed.start, closed.end));
       add_profile_section(
-          sections, mark.section,
-          std::chrono::duration<double, std::milli>(mark.host_end - mark.host_start).count(),
+          sections, closed.section,
+          std::chrono::duration<double, std::milli>(closed.host_end - closed.host_start).count(),
           double(ms));
     }
     return sections;
@@ -600,6 +601,10 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
   }
   E4KV_CUDA_CHECK(cudaSetDevice(options.device));
   return std::unique_ptr<Backend>(new CudaBackend(options));
+}
+
+StepProfiler* cuda_step_profiler(Backend& backend) {
+  return dynamic_cast<CudaBackend*>(&backend);
 }
 
 }  // namespace e4kv

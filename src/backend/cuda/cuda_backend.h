@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "backend/backend.h"
+#include "backend/profiler.h"
 #include "core/status.h"
 
 namespace e4kv {
@@ -21,5 +22,9 @@ struct CudaBackendOptions {
 
 // Errors: no CUDA device, or `device` out of range.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options = {});
+
+// The step profiler of a CUDA backend (CUDA events on its stream; Model::set_step_profiler);
+// nullptr for a backend make_cuda_backend did not make.
+StepProfiler* cuda_step_profiler(Backend& backend);
 
 }  // namespace e4kv

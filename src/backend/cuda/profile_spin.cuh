@@ -1,4 +1,5 @@
-// The device-side hold of Backend's step profile (backend/backend.h, profile_begin with isolate):
+// The device-side hold of the CUDA step profile (backend/profiler.h, StepProfiler::begin with
+// isolate):
 // one thread that spins on %globaltimer, so the ops queued behind it on the stream start back to
 // back once it ends. Host-only header.
 #pragma once

@@ -1,30 +1,65 @@
 #include "model/layers/attention.h"
 
-#include <algorithm>
+#include "model/workspace.h"
 
 namespace e4kv {
 
-Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend, const AttentionShape& shape,
-                                                      int64_t max_rows) {
+Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend, int64_t q_dim,
+                                                      int64_t kv_dim, int64_t max_rows) {
   AttentionWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  const size_t q_dim = size_t(shape.q_dim());
-  const size_t kv_dim = size_t(shape.kv_dim());
-  struct Need {
-    BackendBuffer* buffer;
-    size_t bytes;
-  };
-  for (const Need& need :
-       {Need{&ws.q, n * q_dim * act}, Need{&ws.k, n * kv_dim * act}, Need{&ws.v, n * kv_dim * act},
-        Need{&ws.q16, n * q_dim * 2}, Need{&ws.k16, n * kv_dim * 2}, Need{&ws.v16, n * kv_dim * 2},
-        Need{&ws.attn, n * q_dim * 4}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
-  }
+  const size_t q = size_t(q_dim);
+  const size_t kv = size_t(kv_dim);
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.q, n * q * act},
+                                                  {&ws.k, n * kv * act},
+                                                  {&ws.v, n * kv * act},
+                                                  {&ws.q16, n * q * 2},
+                                                  {&ws.k16, n * kv * 2},
+                                                  {&ws.v16, n * kv * 2},
+                                                  {&ws.attn, n * q * 4}}));
   if (backend.act_dtype() != DType::kF32) {
-    E4KV_ASSIGN_OR_RETURN(ws.attn_act, backend.allocate(std::max<size_t>(64, n * q_dim * act)));
+    E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.attn_act, n * q * act}}));
   }
   return ws;
+}
+
+Status write_kv_rows(Backend& b, const StepContext& ctx, const KvCacheView& cache,
+                     const AttentionHeads& h, const void* q_norm, const void* k_norm,
+                     RmsNormForm form, AttentionWorkspace& ws, unsigned long long* non_finite,
+                     KvWriteStats* stats) {
+  const int64_t n = ctx.n_rows();
+  const int64_t q_dim = h.n_heads * h.head_dim;
+  const int64_t kv_dim = h.n_kv_heads * h.head_dim;
+  const DType act = b.act_dtype();
+  if (q_norm != nullptr) {
+    E4KV_RETURN_IF_ERROR(
+        b.rms_norm(ws.q.data(), q_norm, n * h.n_heads, h.head_dim, h.eps, form, ws.q.data()));
+    E4KV_RETURN_IF_ERROR(
+        b.rms_norm(ws.k.data(), k_norm, n * h.n_kv_heads, h.head_dim, h.eps, form, ws.k.data()));
+  }
+  E4KV_RETURN_IF_ERROR(
+      b.rope_neox(ws.q.data(), ctx.cos(), ctx.sin(), n, h.n_heads, h.head_dim, h.rotary_dim));
+  E4KV_RETURN_IF_ERROR(
+      b.rope_neox(ws.k.data(), ctx.cos(), ctx.sin(), n, h.n_kv_heads, h.head_dim, h.rotary_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.q.data(), act, ws.q16.data(), DType::kF16, n * q_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * kv_dim));
+  E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * kv_dim));
+  return b.cache_write(cache, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(), ctx.slots(), n,
+                       non_finite, stats);
+}
+
+Status project_attention_output(Backend& b, int64_t n, int64_t q_dim, int64_t hidden,
+                                AttentionWorkspace& ws, const void* o, const void* o_bias,
+                                void* out) {
+  const DType act = b.act_dtype();
+  const void* attn_in = ws.attn.data();
+  if (act != DType::kF32) {
+    E4KV_RETURN_IF_ERROR(
+        b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
+    attn_in = ws.attn_act.data();
+  }
+  return b.linear(attn_in, o, o_bias, n, q_dim, hidden, out, act);
 }
 
 Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::string& p,
@@ -76,21 +111,10 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
       b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, kv_dim, ws.k.data(), act));
   E4KV_RETURN_IF_ERROR(
       b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, kv_dim, ws.v.data(), act));
-  if (s.qk_norm) {
-    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.q.data(), q_norm_.data(), n * s.n_heads, s.head_dim, s.eps,
-                                    s.qk_norm_form, ws.q.data()));
-    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.k.data(), k_norm_.data(), n * s.n_kv_heads, s.head_dim,
-                                    s.eps, s.qk_norm_form, ws.k.data()));
-  }
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.q.data(), ctx.cos(), ctx.sin(), n, s.n_heads, s.head_dim, s.rotary_dim));
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.k.data(), ctx.cos(), ctx.sin(), n, s.n_kv_heads, s.head_dim, s.rotary_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.q.data(), act, ws.q16.data(), DType::kF16, n * q_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * kv_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * kv_dim));
-  E4KV_RETURN_IF_ERROR(b.cache_write(cache, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(),
-                                     ctx.slots(), n, non_finite, stats));
+  const AttentionHeads heads{s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim, s.eps};
+  // q_norm_ and k_norm_ are empty (nullptr) without qk_norm.
+  E4KV_RETURN_IF_ERROR(write_kv_rows(b, ctx, cache, heads, q_norm_.data(), k_norm_.data(),
+                                     s.qk_norm_form, ws, non_finite, stats));
 
   PagedAttentionParams params;
   params.cache = cache;
@@ -100,13 +124,7 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   params.q = ws.q16.as<uint16_t>();
   params.out = ws.attn.as<float>();
   E4KV_RETURN_IF_ERROR(b.paged_attention(params, ctx.host_rows()));
-  const void* attn_in = ws.attn.data();
-  if (act != DType::kF32) {
-    E4KV_RETURN_IF_ERROR(
-        b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
-    attn_in = ws.attn_act.data();
-  }
-  return b.linear(attn_in, o_.data(), o_bias_.data(), n, q_dim, s.hidden, out, act);
+  return project_attention_output(b, n, q_dim, s.hidden, ws, o_.data(), o_bias_.data(), out);
 }
 
 }  // namespace e4kv

@@ -7,6 +7,8 @@
 //   a = paged_attention(fp16(q)) over positions 0..pos of the row's sequence
 //   out = a Wo^T (+bo)
 // K, V and q are FP16 at the cache and attention, as the cache contract (DESIGN.md section 2) says.
+// The QSA mixer (model/layers/qsa_attention.h) shares the path from the per-head norms to the cache
+// write (write_kv_rows) and the output projection (project_attention_output).
 #pragma once
 
 #include <cstdint>
@@ -43,9 +45,33 @@ struct AttentionWorkspace {
   BackendBuffer attn;           // [rows, q_dim] fp32
   BackendBuffer attn_act;       // [rows, q_dim] act (only when act is not fp32)
 
-  static Result<AttentionWorkspace> create(Backend& backend, const AttentionShape& shape,
+  static Result<AttentionWorkspace> create(Backend& backend, int64_t q_dim, int64_t kv_dim,
                                            int64_t max_rows);
 };
+
+// The heads of an attention layer, as write_kv_rows sees them.
+struct AttentionHeads {
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;
+  float eps = 1e-6f;
+};
+
+// For the rows of the step, after the projections into ws.q, ws.k, ws.v: q and k normed per head
+// (q_norm, k_norm: [head_dim] act, both or neither, in `form`), rotated at each row's position;
+// q, k, v converted to FP16 (ws.q16, ws.k16, ws.v16); K and V written to `cache` at each row's
+// slot. non_finite: the cache write's [2] counters; stats: nullptr or its statistics.
+Status write_kv_rows(Backend& backend, const StepContext& ctx, const KvCacheView& cache,
+                     const AttentionHeads& heads, const void* q_norm, const void* k_norm,
+                     RmsNormForm form, AttentionWorkspace& ws, unsigned long long* non_finite,
+                     KvWriteStats* stats);
+
+// out = attention Wo^T (+bo) of the rows of the step, from ws.attn (fp32, converted to act first
+// when act is not fp32). o: [hidden, q_dim] act; o_bias: [hidden] act or nullptr.
+Status project_attention_output(Backend& backend, int64_t n_rows, int64_t q_dim, int64_t hidden,
+                                AttentionWorkspace& ws, const void* o, const void* o_bias,
+                                void* out);
 
 class AttentionMixer {
  public:

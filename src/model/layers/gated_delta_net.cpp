@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "model/workspace.h"
+
 namespace e4kv {
 
 Result<DeltaNetWorkspace> DeltaNetWorkspace::create(Backend& backend, const DeltaNetShape& shape,
@@ -9,20 +11,14 @@ Result<DeltaNetWorkspace> DeltaNetWorkspace::create(Backend& backend, const Delt
   DeltaNetWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  struct Need {
-    BackendBuffer* buffer;
-    size_t bytes;
-  };
-  for (const Need& need :
-       {Need{&ws.u, n * size_t(shape.conv_dim()) * act},
-        Need{&ws.y, n * size_t(shape.conv_dim()) * act},
-        Need{&ws.z, n * size_t(shape.v_dim()) * act}, Need{&ws.o, n * size_t(shape.v_dim()) * act},
-        Need{&ws.a, n * size_t(shape.n_v_heads) * act},
-        Need{&ws.b, n * size_t(shape.n_v_heads) * act},
-        Need{&ws.g, n * size_t(shape.n_v_heads) * 4},
-        Need{&ws.beta, n * size_t(shape.n_v_heads) * 4}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
-  }
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.u, n * size_t(shape.conv_dim()) * act},
+                                                  {&ws.y, n * size_t(shape.conv_dim()) * act},
+                                                  {&ws.z, n * size_t(shape.v_dim()) * act},
+                                                  {&ws.o, n * size_t(shape.v_dim()) * act},
+                                                  {&ws.a, n * size_t(shape.n_v_heads) * act},
+                                                  {&ws.b, n * size_t(shape.n_v_heads) * act},
+                                                  {&ws.g, n * size_t(shape.n_v_heads) * 4},
+                                                  {&ws.beta, n * size_t(shape.n_v_heads) * 4}}));
   return ws;
 }
 

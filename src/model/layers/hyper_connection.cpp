@@ -1,6 +1,6 @@
 #include "model/layers/hyper_connection.h"
 
-#include <algorithm>
+#include "model/workspace.h"
 
 namespace e4kv {
 
@@ -10,15 +10,10 @@ Result<HyperConnectionWorkspace> HyperConnectionWorkspace::create(Backend& backe
   HyperConnectionWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  struct Need {
-    BackendBuffer* buffer;
-    size_t elems;
-  };
-  for (const Need& need :
-       {Need{&ws.xn, n * size_t(shape.width())}, Need{&ws.a, n * size_t(shape.rank)},
-        Need{&ws.up, n * size_t(shape.width())}, Need{&ws.inj, n * size_t(shape.streams)}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.elems * act)));
-  }
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.xn, n * size_t(shape.width()) * act},
+                                                  {&ws.a, n * size_t(shape.rank) * act},
+                                                  {&ws.up, n * size_t(shape.width()) * act},
+                                                  {&ws.inj, n * size_t(shape.streams) * act}}));
   return ws;
 }
 

@@ -14,16 +14,18 @@ Result<MlpWorkspace> MlpWorkspace::create(Backend& backend, int64_t intermediate
 }
 
 Result<DenseMlp> DenseMlp::load(WeightLoader& weights, const std::string& p, int64_t hidden,
-                                int64_t intermediate) {
+                                int64_t intermediate, std::string_view intermediate_name) {
   DenseMlp m;
   m.hidden_ = hidden;
   m.intermediate_ = intermediate;
-  E4KV_ASSIGN_OR_RETURN(m.gate_, weights.load(p + "gate_proj.weight", {intermediate, hidden},
-                                              "[intermediate_size, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.up_, weights.load(p + "up_proj.weight", {intermediate, hidden},
-                                            "[intermediate_size, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.down_, weights.load(p + "down_proj.weight", {hidden, intermediate},
-                                              "[hidden_size, intermediate_size]"));
+  const std::string in_shape = cat("[", intermediate_name, ", hidden_size]");
+  const std::string out_shape = cat("[hidden_size, ", intermediate_name, "]");
+  E4KV_ASSIGN_OR_RETURN(m.gate_,
+                        weights.load(p + "gate_proj.weight", {intermediate, hidden}, in_shape));
+  E4KV_ASSIGN_OR_RETURN(m.up_,
+                        weights.load(p + "up_proj.weight", {intermediate, hidden}, in_shape));
+  E4KV_ASSIGN_OR_RETURN(m.down_,
+                        weights.load(p + "down_proj.weight", {hidden, intermediate}, out_shape));
   return m;
 }
 

@@ -1,8 +1,10 @@
 // The SiLU-gated MLP ffn: out = (silu(x Wg^T) * (x Wu^T)) Wd^T, x: [n_rows, hidden] act (normed).
+// The dense families' ffn, and the shared expert of the MoE ffn (model/layers/moe.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "backend/backend.h"
 #include "core/status.h"
@@ -19,9 +21,11 @@ struct MlpWorkspace {
 
 class DenseMlp {
  public:
-  // prefix: the module's weight names ("model.layers.3.mlp.").
+  // prefix: the module's weight names ("model.layers.3.mlp."); intermediate_name: the config
+  // field of `intermediate`, for the errors' shapes.
   static Result<DenseMlp> load(WeightLoader& weights, const std::string& prefix, int64_t hidden,
-                               int64_t intermediate);
+                               int64_t intermediate,
+                               std::string_view intermediate_name = "intermediate_size");
 
   // x, out: [n_rows, hidden] act.
   Status forward(Backend& backend, int64_t n_rows, const void* x, void* out,

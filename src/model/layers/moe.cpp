@@ -1,7 +1,8 @@
 #include "model/layers/moe.h"
 
-#include <algorithm>
 #include <vector>
+
+#include "model/workspace.h"
 
 namespace e4kv {
 
@@ -10,18 +11,12 @@ Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shap
   MoeWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  struct Need {
-    BackendBuffer* buffer;
-    size_t bytes;
-  };
-  for (const Need& need :
-       {Need{&ws.logits, n * size_t(shape.n_experts) * 4},
-        Need{&ws.ids, n * size_t(shape.top_k) * 4}, Need{&ws.weights, n * size_t(shape.top_k) * 4},
-        Need{&ws.gate, n * size_t(shape.shared_inter) * act},
-        Need{&ws.up, n * size_t(shape.shared_inter) * act},
-        Need{&ws.shared, n * size_t(shape.hidden) * act}, Need{&ws.shared_gate, n * act}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
-  }
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.logits, n * size_t(shape.n_experts) * 4},
+                                                  {&ws.ids, n * size_t(shape.top_k) * 4},
+                                                  {&ws.weights, n * size_t(shape.top_k) * 4},
+                                                  {&ws.shared, n * size_t(shape.hidden) * act},
+                                                  {&ws.shared_gate, n * act}}));
+  E4KV_ASSIGN_OR_RETURN(ws.shared_mlp, MlpWorkspace::create(backend, shape.shared_inter, max_rows));
   return ws;
 }
 
@@ -54,17 +49,9 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
     E4KV_ASSIGN_OR_RETURN(
         m.down_, weights.load_concat(down, {h, i}, "[hidden_size, moe_intermediate_size]"));
   }
-  const int64_t s = shape.shared_inter;
-  const std::string q = p + "shared_expert.";
-  E4KV_ASSIGN_OR_RETURN(m.shared_gate_proj_,
-                        weights.load(q + "gate_proj.weight", {s, h},
-                                     "[shared_expert_intermediate_size, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(
-      m.shared_up_proj_,
-      weights.load(q + "up_proj.weight", {s, h}, "[shared_expert_intermediate_size, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.shared_down_proj_,
-                        weights.load(q + "down_proj.weight", {h, s},
-                                     "[hidden_size, shared_expert_intermediate_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.shared_expert_,
+                        DenseMlp::load(weights, p + "shared_expert.", h, shape.shared_inter,
+                                       "shared_expert_intermediate_size"));
   E4KV_ASSIGN_OR_RETURN(m.shared_gate_,
                         weights.load(p + "shared_expert_gate.weight", {1, h}, "[1, hidden_size]"));
   return m;
@@ -80,14 +67,7 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
   E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.data(), down_.data(), s.n_experts, s.hidden,
                                      s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
                                      s.top_k, out));
-  E4KV_RETURN_IF_ERROR(b.linear(x, shared_gate_proj_.data(), nullptr, n, s.hidden, s.shared_inter,
-                                ws.gate.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, shared_up_proj_.data(), nullptr, n, s.hidden, s.shared_inter, ws.up.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.silu_mul(ws.gate.data(), ws.up.data(), ws.gate.data(), n * s.shared_inter));
-  E4KV_RETURN_IF_ERROR(b.linear(ws.gate.data(), shared_down_proj_.data(), nullptr, n,
-                                s.shared_inter, s.hidden, ws.shared.data(), act));
+  E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));
   E4KV_RETURN_IF_ERROR(
       b.linear(x, shared_gate_.data(), nullptr, n, s.hidden, 1, ws.shared_gate.data(), act));
   return b.sigmoid_gated_add(out, ws.shared.data(), ws.shared_gate.data(), n, s.hidden);

@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/layers/mlp.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -29,7 +30,7 @@ struct MoeWorkspace {
   BackendBuffer logits;       // [rows, n_experts] fp32
   BackendBuffer ids;          // [rows, top_k] int32
   BackendBuffer weights;      // [rows, top_k] fp32
-  BackendBuffer gate, up;     // [rows, shared_inter] act
+  MlpWorkspace shared_mlp;    // the shared expert's: [rows, shared_inter] act
   BackendBuffer shared;       // [rows, hidden] act
   BackendBuffer shared_gate;  // [rows] act
 
@@ -48,7 +49,8 @@ class MoeFfn {
  private:
   MoeShape shape_;
   BackendBuffer router_, gate_up_, down_;
-  BackendBuffer shared_gate_proj_, shared_up_proj_, shared_down_proj_, shared_gate_;
+  DenseMlp shared_expert_;
+  BackendBuffer shared_gate_;  // [1, hidden]
 };
 
 }  // namespace e4kv

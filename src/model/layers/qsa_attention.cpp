@@ -1,6 +1,6 @@
 #include "model/layers/qsa_attention.h"
 
-#include <algorithm>
+#include "model/workspace.h"
 
 namespace e4kv {
 
@@ -11,25 +11,19 @@ Result<QsaAttentionWorkspace> QsaAttentionWorkspace::create(Backend& backend,
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
   const size_t q = size_t(shape.q_dim());
-  const size_t kv = size_t(shape.kv_dim());
   const size_t iq = size_t(shape.index_q_dim());
   const size_t ik = size_t(shape.index_dim);
-  struct Need {
-    BackendBuffer* buffer;
-    size_t bytes;
-  };
-  for (const Need& need :
-       {Need{&ws.q, n * q * act}, Need{&ws.gate, n * q * act}, Need{&ws.k, n * kv * act},
-        Need{&ws.v, n * kv * act}, Need{&ws.iq, n * iq * act}, Need{&ws.ik, n * ik * act},
-        Need{&ws.q16, n * q * 2}, Need{&ws.gate16, n * q * 2}, Need{&ws.k16, n * kv * 2},
-        Need{&ws.v16, n * kv * 2}, Need{&ws.iq16, n * iq * 2}, Need{&ws.ik16, n * ik * 2},
-        Need{&ws.attn, n * q * 4}, Need{&ws.sel_tokens, n * size_t(shape.sel_width()) * 4},
-        Need{&ws.sel_counts, n * 4}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
-  }
-  if (backend.act_dtype() != DType::kF32) {
-    E4KV_ASSIGN_OR_RETURN(ws.attn_act, backend.allocate(std::max<size_t>(64, n * q * act)));
-  }
+  E4KV_ASSIGN_OR_RETURN(
+      ws.heads, AttentionWorkspace::create(backend, shape.q_dim(), shape.kv_dim(), max_rows));
+  E4KV_RETURN_IF_ERROR(
+      allocate_buffers(backend, {{&ws.gate, n * q * act},
+                                 {&ws.iq, n * iq * act},
+                                 {&ws.ik, n * ik * act},
+                                 {&ws.gate16, n * q * 2},
+                                 {&ws.iq16, n * iq * 2},
+                                 {&ws.ik16, n * ik * 2},
+                                 {&ws.sel_tokens, n * size_t(shape.sel_width()) * 4},
+                                 {&ws.sel_counts, n * 4}}));
   return ws;
 }
 
@@ -120,29 +114,20 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   const size_t gate_offset = size_t(s.q_dim() * s.hidden) * act_size;
   const std::byte* q_gate_bias = q_gate_bias_.as<std::byte>();
   const size_t gate_bias_offset = size_t(s.q_dim()) * act_size;
-  E4KV_RETURN_IF_ERROR(b.linear(x, q_gate, q_gate_bias, n, s.hidden, s.q_dim(), ws.q.data(), act));
+  AttentionWorkspace& h = ws.heads;
+  E4KV_RETURN_IF_ERROR(b.linear(x, q_gate, q_gate_bias, n, s.hidden, s.q_dim(), h.q.data(), act));
   E4KV_RETURN_IF_ERROR(b.linear(x, q_gate + gate_offset,
                                 q_gate_bias == nullptr ? nullptr : q_gate_bias + gate_bias_offset,
                                 n, s.hidden, s.q_dim(), ws.gate.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, s.kv_dim(), ws.k.data(), act));
+      b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, s.kv_dim(), h.k.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, s.kv_dim(), ws.v.data(), act));
-  E4KV_RETURN_IF_ERROR(b.rms_norm(ws.q.data(), q_norm_.data(), n * s.n_heads, s.head_dim, s.eps,
-                                  RmsNormForm::kOnePlusWeight, ws.q.data()));
-  E4KV_RETURN_IF_ERROR(b.rms_norm(ws.k.data(), k_norm_.data(), n * s.n_kv_heads, s.head_dim, s.eps,
-                                  RmsNormForm::kOnePlusWeight, ws.k.data()));
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.q.data(), ctx.cos(), ctx.sin(), n, s.n_heads, s.head_dim, s.rotary_dim));
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.k.data(), ctx.cos(), ctx.sin(), n, s.n_kv_heads, s.head_dim, s.rotary_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.q.data(), act, ws.q16.data(), DType::kF16, n * s.q_dim()));
+      b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, s.kv_dim(), h.v.data(), act));
   E4KV_RETURN_IF_ERROR(
       b.convert(ws.gate.data(), act, ws.gate16.data(), DType::kF16, n * s.q_dim()));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * s.kv_dim()));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * s.kv_dim()));
-  E4KV_RETURN_IF_ERROR(b.cache_write(cache.kv, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(),
-                                     ctx.slots(), n, non_finite, stats));
+  const AttentionHeads heads{s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim, s.eps};
+  E4KV_RETURN_IF_ERROR(write_kv_rows(b, ctx, cache.kv, heads, q_norm_.data(), k_norm_.data(),
+                                     RmsNormForm::kOnePlusWeight, h, non_finite, stats));
 
   // ---- selection and sparse attention ----
   QsaSelectionConfig select;
@@ -160,19 +145,13 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   params.block_table = ctx.block_table();
   params.rows = rows;
   params.n_heads = s.n_heads;
-  params.q = ws.q16.as<uint16_t>();
+  params.q = h.q16.as<uint16_t>();
   params.gate = ws.gate16.as<uint16_t>();
-  params.out = ws.attn.as<float>();
+  params.out = h.attn.as<float>();
   QueryBatchView host_rows = ctx.host_rows();
   host_rows.sel_width = s.sel_width();
   E4KV_RETURN_IF_ERROR(b.paged_attention(params, host_rows));
-  const void* attn_in = ws.attn.data();
-  if (act != DType::kF32) {
-    E4KV_RETURN_IF_ERROR(
-        b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * s.q_dim()));
-    attn_in = ws.attn_act.data();
-  }
-  return b.linear(attn_in, o_.data(), o_bias_.data(), n, s.q_dim(), s.hidden, out, act);
+  return project_attention_output(b, n, s.q_dim(), s.hidden, h, o_.data(), o_bias_.data(), out);
 }
 
 }  // namespace e4kv

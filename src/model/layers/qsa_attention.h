@@ -18,6 +18,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "kv/kv_cache_view.h"
+#include "model/layers/attention.h"
 #include "model/step_context.h"
 #include "model/weights.h"
 
@@ -43,11 +44,10 @@ struct QsaAttentionShape {
 };
 
 struct QsaAttentionWorkspace {
-  BackendBuffer q, gate, k, v, iq, ik;              // act
-  BackendBuffer q16, gate16, k16, v16, iq16, ik16;  // FP16 bits
-  BackendBuffer attn;                               // [rows, q_dim] fp32
-  BackendBuffer attn_act;                           // [rows, q_dim] act (act not fp32)
-  BackendBuffer sel_tokens, sel_counts;             // [rows, sel_width], [rows] int32
+  AttentionWorkspace heads;              // q, k, v, their FP16 copies, the attention output
+  BackendBuffer gate, iq, ik;            // [rows, q_dim | index_q_dim | index_dim] act
+  BackendBuffer gate16, iq16, ik16;      // the same, FP16 bits
+  BackendBuffer sel_tokens, sel_counts;  // [rows, sel_width], [rows] int32
 
   static Result<QsaAttentionWorkspace> create(Backend& backend, const QsaAttentionShape& shape,
                                               int64_t max_rows);

@@ -1,4 +1,4 @@
-#include "model/dense_model.h"
+#include "model/families/dense.h"
 
 #include <algorithm>
 #include <fstream>
@@ -14,19 +14,14 @@
 #include "core/json.h"
 #include "kv/block_allocator.h"
 #include "model/probe.h"
-#include "model/qwen4exp_model.h"
 #include "model/weights.h"
 
 namespace e4kv {
 
 struct DenseModel::Workspace {
-  StepContext step;
   BackendBuffer x, h, o;  // [rows, hidden] act
   AttentionWorkspace attention;
   MlpWorkspace mlp;
-  BackendBuffer xs;          // [logit rows, hidden] act
-  BackendBuffer logits;      // [logit rows, vocab] fp32
-  BackendBuffer non_finite;  // [2] unsigned long long
 };
 
 namespace {
@@ -127,7 +122,7 @@ DenseModel::DenseModel() = default;
 DenseModel::~DenseModel() = default;
 
 Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Backend& backend,
-                                                     const DenseModelOptions& options) {
+                                                     const ModelOptions& options) {
   const ModelConfig& config = ckpt.config();
   const std::string config_path = (ckpt.dir() / "config.json").string();
   E4KV_ASSIGN_OR_RETURN(DenseModelSpec spec, dense_model_spec(config));
@@ -137,14 +132,10 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   }
 
   std::unique_ptr<DenseModel> model(new DenseModel());
-  model->config_ = config;
+  ModelCore& core = model->core_;
   model->spec_ = spec;
-  model->backend_ = &backend;
-  model->options_ = options;
-  E4KV_ASSIGN_OR_RETURN(model->limits_,
-                        model_limits(options, config.max_position_embeddings, config_path));
-  const ModelLimits& limits = model->limits_;
-  model->slots_ = SequenceSlots(limits.max_seqs);
+  E4KV_RETURN_IF_ERROR(core.init(ckpt, backend, options));
+  const ModelLimits& limits = core.limits;
 
   for (size_t i = 0; i < config.layers.size(); ++i) {
     const LayerKind kind = config.layers[i];
@@ -163,9 +154,7 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
       }
     }
   }
-  E4KV_ASSIGN_OR_RETURN(model->rope_, make_rope_table(config));
-  E4KV_ASSIGN_OR_RETURN(model->kv_scales_,
-                        load_kv_scales(ckpt, options.kv_cache_dtype, options.kv_scales_mode));
+  E4KV_RETURN_IF_ERROR(core.load_rope_and_scales(ckpt));
 
   // ---- weights ----
   const int64_t hidden = config.hidden_size;
@@ -176,7 +165,7 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   attention.n_heads = config.n_heads;
   attention.n_kv_heads = config.n_kv_heads;
   attention.head_dim = config.head_dim;
-  attention.rotary_dim = model->rope_.rotary_dim;
+  attention.rotary_dim = core.rope.rotary_dim;
   attention.qkv_bias = spec.qkv_bias;
   attention.o_bias = spec.o_bias;
   attention.qk_norm = spec.qk_norm;
@@ -235,118 +224,77 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   }
 
   // ---- workspaces, for the limits ----
-  E4KV_ASSIGN_OR_RETURN(StepContext step,
-                        StepContext::create(backend, limits, model->rope_.rotary_dim));
-  model->ws_.reset(new Workspace{std::move(step), {}, {}, {}, {}, {}, {}, {}, {}});
+  const BackendBuffer& head = model->lm_head_.empty() ? model->embed_ : model->lm_head_;
+  E4KV_RETURN_IF_ERROR(core.create_step_and_head(hidden, head.data()));
+  model->ws_ = std::make_unique<Workspace>();
   Workspace& ws = *model->ws_;
   const size_t rows = size_t(limits.max_batch_tokens);
-  const size_t logit_rows = size_t(std::max<int64_t>(1, limits.max_logit_rows));
   const size_t act = backend.act_size();
   for (BackendBuffer* buffer : {&ws.x, &ws.h, &ws.o}) {
     E4KV_ASSIGN_OR_RETURN(*buffer, backend.allocate(rows * size_t(hidden) * act));
   }
   E4KV_ASSIGN_OR_RETURN(ws.attention,
-                        AttentionWorkspace::create(backend, attention, limits.max_batch_tokens));
+                        AttentionWorkspace::create(backend, attention.q_dim(), attention.kv_dim(),
+                                                   limits.max_batch_tokens));
   E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, config.intermediate_size,
                                                      limits.max_batch_tokens));
-  E4KV_ASSIGN_OR_RETURN(ws.xs, backend.allocate(logit_rows * size_t(hidden) * act));
-  E4KV_ASSIGN_OR_RETURN(ws.logits, backend.allocate(logit_rows * size_t(vocab) * 4));
-  E4KV_ASSIGN_OR_RETURN(ws.non_finite, backend.allocate(2 * sizeof(unsigned long long)));
   return model;
 }
 
 KvCacheView DenseModel::cache_view(size_t layer) const {
-  KvCacheView cache;
-  cache.data = layer < caches_.size() ? caches_[layer].data() : nullptr;
-  cache.geometry.n_blocks = options_.n_blocks;
-  cache.geometry.block_size = options_.block_size;
-  cache.geometry.n_kv_heads = config_.n_kv_heads;
-  cache.geometry.head_dim = config_.head_dim;
-  cache.geometry.dtype = options_.kv_cache_dtype;
-  if (options_.kv_cache_dtype == KvCacheDtype::kE4m3 && layer < kv_scales_.k_scale.size()) {
-    cache.k_scale = kv_scales_.k_scale[layer];
-    cache.v_scale = kv_scales_.v_scale[layer];
-  }
-  return cache;
+  return core_.kv_cache_view(layer < caches_.size() ? caches_[layer].data() : nullptr, layer);
 }
 
 ModelMemory DenseModel::memory() const {
   // Every layer's K and V rows; no per-sequence state.
   ModelMemory memory;
-  memory.bytes_per_token = 2 * config_.n_layers * config_.n_kv_heads * config_.head_dim *
-                           int64_t(kv_cache_elem_bytes(options_.kv_cache_dtype));
+  const ModelConfig& c = core_.config;
+  memory.bytes_per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim *
+                           int64_t(kv_cache_elem_bytes(core_.options.kv_cache_dtype));
   return memory;
 }
 
 Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
-  Backend& b = *backend_;
+  Backend& b = *core_.backend;
   Workspace& ws = *ws_;
-  const ModelConfig& c = config_;
-  b.profile_mark("step_context");
-  E4KV_RETURN_IF_ERROR(
-      ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
-  const StepContext& step = ws.step;
+  const ModelConfig& c = core_.config;
+  const LogitsHead& head = *core_.head;
+  E4KV_RETURN_IF_ERROR(core_.build_step(batch));
+  const StepContext& step = *core_.step;
   const int64_t n = step.n_rows();
-  const int64_t m = step.n_logits();
   const int64_t hidden = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
-  b.fill_zero(non_finite, 2 * sizeof(unsigned long long));
+  head.begin_step(b);
 
-  b.profile_mark("embed");
+  core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    b.profile_mark("attention");
+    core_.mark("attention");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     probe_attention_input(b, batch.probe, int64_t(l), ws.h.data(),
                           size_t(n * hidden) * dtype_size(b.act_dtype()));
     E4KV_RETURN_IF_ERROR(layer.attention.forward(b, step, cache_view(l), ws.h.data(), ws.o.data(),
-                                                 ws.attention, non_finite,
-                                                 kv_stats_.sink(int64_t(l), batch.purpose)));
+                                                 ws.attention, head.non_finite(),
+                                                 core_.kv_stats.sink(int64_t(l), batch.purpose)));
     probe_attention_output(b, batch.probe, int64_t(l), ws.attention.attn.as<float>(), n,
                            layer.attention.shape().q_dim());
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
-    b.profile_mark("mlp");
+    core_.mark("mlp");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
   }
 
-  // ---- logits of the rows asked ----
-  const DeviceLogits logits{ws.logits.as<float>(), m, c.vocab_size};
-  if (m > 0) {
-    b.profile_mark("lm_head");
-    E4KV_RETURN_IF_ERROR(b.gather_rows(ws.x.data(), step.logit_rows(), m, hidden, ws.xs.data()));
-    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.xs.data(), final_norm_.data(), m, hidden, eps,
-                                    RmsNormForm::kWeight, ws.xs.data()));
-    const void* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
-    E4KV_RETURN_IF_ERROR(b.linear(ws.xs.data(), head, nullptr, m, hidden, c.vocab_size,
-                                  ws.logits.data(), DType::kF32));
-    b.profile_mark("counters");
-  }
-  unsigned long long counts[2] = {0, 0};
-  b.copy_to_host(counts, non_finite, sizeof(counts));
-  if (counts[0] != 0 || counts[1] != 0) {
-    return Status::error(cat("forward: ", counts[0], " non-finite K and ", counts[1],
-                             " non-finite V values reached the KV cache (inf or NaN "
-                             "activations: the weights or the input overflow FP16)"));
-  }
+  const LogitsHead::FinalNorm final_norm = [&](const void* in, int64_t m, void* out) {
+    return b.rms_norm(in, final_norm_.data(), m, hidden, eps, RmsNormForm::kWeight, out);
+  };
+  E4KV_ASSIGN_OR_RETURN(const DeviceLogits logits,
+                        head.logits(b, step, ws.x.data(), final_norm, core_.profiler));
+  E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
   return logits;
-}
-
-Result<std::unique_ptr<Model>> load_model(const Checkpoint& ckpt, Backend& backend,
-                                          const ModelOptions& options) {
-  if (is_qwen4exp(ckpt.config())) {
-    E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Qwen4ExpModel> model,
-                          Qwen4ExpModel::load(ckpt, backend, options));
-    return std::unique_ptr<Model>(std::move(model));
-  }
-  E4KV_ASSIGN_OR_RETURN(std::unique_ptr<DenseModel> model,
-                        DenseModel::load(ckpt, backend, options));
-  return std::unique_ptr<Model>(std::move(model));
 }
 
 }  // namespace e4kv

@@ -1,4 +1,4 @@
-#include "model/qwen4exp_model.h"
+#include "model/families/qwen4exp.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -10,7 +10,6 @@
 namespace e4kv {
 
 struct Qwen4ExpModel::Workspace {
-  StepContext step;
   BackendBuffer e;       // [rows, hidden] act (the embeddings)
   BackendBuffer x;       // [rows, streams * hidden] act (the residual streams)
   BackendBuffer mix, y;  // [rows, hidden] act
@@ -19,10 +18,6 @@ struct Qwen4ExpModel::Workspace {
   std::optional<DeltaNetWorkspace> delta_net;
   MoeWorkspace moe;
   std::optional<PleWorkspace> ple;
-  BackendBuffer xs;          // [logit rows, streams * hidden] act
-  BackendBuffer hs;          // [logit rows, hidden] act
-  BackendBuffer logits;      // [logit rows, vocab] fp32
-  BackendBuffer non_finite;  // [2] unsigned long long
 };
 
 bool is_qwen4exp(const ModelConfig& config) {
@@ -68,16 +63,10 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
 
   std::unique_ptr<Qwen4ExpModel> model(new Qwen4ExpModel());
   Qwen4ExpModel& m = *model;
-  m.config_ = config;
-  m.backend_ = &backend;
-  m.options_ = options;
-  E4KV_ASSIGN_OR_RETURN(m.limits_,
-                        model_limits(options, config.max_position_embeddings, config_path));
-  const ModelLimits& limits = m.limits_;
-  m.slots_ = SequenceSlots(limits.max_seqs);
-  E4KV_ASSIGN_OR_RETURN(m.rope_, make_rope_table(config));
-  E4KV_ASSIGN_OR_RETURN(m.kv_scales_,
-                        load_kv_scales(ckpt, options.kv_cache_dtype, options.kv_scales_mode));
+  ModelCore& core = m.core_;
+  E4KV_RETURN_IF_ERROR(core.init(ckpt, backend, options));
+  const ModelLimits& limits = core.limits;
+  E4KV_RETURN_IF_ERROR(core.load_rope_and_scales(ckpt));
 
   // ---- shapes ----
   const int64_t hidden = config.hidden_size;
@@ -90,7 +79,7 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     s.n_heads = config.n_heads;
     s.n_kv_heads = config.n_kv_heads;
     s.head_dim = config.head_dim;
-    s.rotary_dim = m.rope_.rotary_dim;
+    s.rotary_dim = core.rope.rotary_dim;
     s.n_index_heads = config.qsa->n_index_heads;
     s.index_dim = config.qsa->index_dim;
     s.budget = config.qsa->budget;
@@ -146,7 +135,7 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     if (config.layers[size_t(i)] == LayerKind::kQsaAttention) {
       E4KV_ASSIGN_OR_RETURN(QsaAttentionMixer qsa,
                             QsaAttentionMixer::load(backend, weights, p + "self_attn.",
-                                                    m.qsa_shape_, m.rope_.inv_freq.data()));
+                                                    m.qsa_shape_, core.rope.inv_freq.data()));
       layer.qsa.emplace(std::move(qsa));
     } else {
       E4KV_ASSIGN_OR_RETURN(DeltaNetMixer mixer,
@@ -203,21 +192,17 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   }
 
   // ---- workspaces ----
-  E4KV_ASSIGN_OR_RETURN(StepContext step, StepContext::create(backend, limits, m.rope_.rotary_dim));
-  m.ws_.reset(new Workspace{std::move(step), {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
+  const int64_t width = m.hc_shape_.width();
+  const BackendBuffer& head = m.lm_head_.empty() ? m.embed_ : m.lm_head_;
+  E4KV_RETURN_IF_ERROR(core.create_step_and_head(width, head.data()));
+  m.ws_ = std::make_unique<Workspace>();
   Workspace& ws = *m.ws_;
   const int64_t rows = limits.max_batch_tokens;
   const size_t act = backend.act_size();
-  const size_t logit_rows = size_t(std::max<int64_t>(1, limits.max_logit_rows));
-  const int64_t width = m.hc_shape_.width();
   for (auto [buffer, bytes] :
        {std::pair{&ws.e, size_t(rows * hidden) * act}, std::pair{&ws.x, size_t(rows * width) * act},
         std::pair{&ws.mix, size_t(rows * hidden) * act},
-        std::pair{&ws.y, size_t(rows * hidden) * act},
-        std::pair{&ws.xs, logit_rows * size_t(width) * act},
-        std::pair{&ws.hs, logit_rows * size_t(hidden) * act},
-        std::pair{&ws.logits, logit_rows * size_t(vocab) * 4},
-        std::pair{&ws.non_finite, size_t(2 * sizeof(unsigned long long))}}) {
+        std::pair{&ws.y, size_t(rows * hidden) * act}}) {
     E4KV_ASSIGN_OR_RETURN(*buffer, backend.allocate(bytes));
   }
   E4KV_ASSIGN_OR_RETURN(ws.hc, HyperConnectionWorkspace::create(backend, m.hc_shape_, rows));
@@ -240,8 +225,8 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   needs.max_rows = rows;
   if (has_qsa) {
     needs.qsa_max_groups = limits.max_blocks_per_seq * (options.block_size / m.qsa_shape_.ratio);
-    needs.rope_inv_freq = m.rope_.inv_freq.data();
-    needs.rotary_dim = m.rope_.rotary_dim;
+    needs.rope_inv_freq = core.rope.inv_freq.data();
+    needs.rotary_dim = core.rope.rotary_dim;
     needs.max_positions = limits.max_seq_tokens;
   }
   needs.moe_experts = moe.n_experts;
@@ -255,23 +240,14 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
 QsaLayerCache Qwen4ExpModel::qsa_cache(size_t layer) const {
   QsaLayerCache cache;
   const LayerMemory* mem = layer < memory_.size() ? &memory_[layer] : nullptr;
-  cache.kv.data = mem != nullptr ? mem->kv.data() : nullptr;
-  cache.kv.geometry.n_blocks = options_.n_blocks;
-  cache.kv.geometry.block_size = options_.block_size;
-  cache.kv.geometry.n_kv_heads = config_.n_kv_heads;
-  cache.kv.geometry.head_dim = config_.head_dim;
-  cache.kv.geometry.dtype = options_.kv_cache_dtype;
-  if (options_.kv_cache_dtype == KvCacheDtype::kE4m3 && layer < kv_scales_.k_scale.size()) {
-    cache.kv.k_scale = kv_scales_.k_scale[layer];
-    cache.kv.v_scale = kv_scales_.v_scale[layer];
-  }
+  cache.kv = core_.kv_cache_view(mem != nullptr ? mem->kv.data() : nullptr, layer);
   cache.compressed.data = mem != nullptr ? mem->compressed.as<uint16_t>() : nullptr;
-  cache.compressed.n_blocks = options_.n_blocks;
-  cache.compressed.block_size = options_.block_size;
+  cache.compressed.n_blocks = core_.options.n_blocks;
+  cache.compressed.block_size = core_.options.block_size;
   cache.compressed.ratio = qsa_shape_.ratio;
   cache.compressed.index_dim = qsa_shape_.index_dim;
   cache.rings.data = mem != nullptr ? mem->rings.as<uint16_t>() : nullptr;
-  cache.rings.n_rings = limits_.max_seqs;
+  cache.rings.n_rings = core_.limits.max_seqs;
   cache.rings.cap = qsa_shape_.ratio;
   cache.rings.index_dim = qsa_shape_.index_dim;
   return cache;
@@ -279,12 +255,12 @@ QsaLayerCache Qwen4ExpModel::qsa_cache(size_t layer) const {
 
 ModelMemory Qwen4ExpModel::memory() const {
   ModelMemory memory;
-  const int64_t act = int64_t(backend_->act_size());
+  const int64_t act = int64_t(core_.backend->act_size());
   for (const Layer& layer : layers_) {
     if (layer.qsa) {
       const QsaAttentionShape& s = qsa_shape_;
       memory.bytes_per_token +=
-          2 * s.kv_dim() * int64_t(kv_cache_elem_bytes(options_.kv_cache_dtype));
+          2 * s.kv_dim() * int64_t(kv_cache_elem_bytes(core_.options.kv_cache_dtype));
       // One FP16 index row per `ratio` tokens, rounded up per block (a partial group's row).
       memory.bytes_per_token += s.index_dim * 2 / s.ratio;
       memory.bytes_per_sequence += s.ratio * s.index_dim * 2;
@@ -308,19 +284,20 @@ std::vector<std::string> Qwen4ExpModel::load_notes() const {
 }
 
 Result<int32_t> Qwen4ExpModel::allocate_sequence() {
-  E4KV_ASSIGN_OR_RETURN(const int32_t slot, slots_.allocate());
+  E4KV_ASSIGN_OR_RETURN(const int32_t slot, core_.slots.allocate());
   reset_state(slot);
   return slot;
 }
 
 Status Qwen4ExpModel::begin_sequence(int32_t slot) {
-  E4KV_RETURN_IF_ERROR(slots_.acquire(slot));
+  E4KV_RETURN_IF_ERROR(core_.slots.acquire(slot));
   reset_state(slot);
   return ok_status();
 }
 
 void Qwen4ExpModel::reset_state(int32_t slot) {
-  Backend& b = *backend_;
+  Backend& b = *core_.backend;
+  const Qwen4ExpConfig& q = *core_.config.qwen4exp;
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerMemory& mem = memory_[i];
     if (layers_[i].qsa) {
@@ -329,45 +306,44 @@ void Qwen4ExpModel::reset_state(int32_t slot) {
     }
     if (mem.delta_net) mem.delta_net->reset(b, delta_net_shape_, slot);
     if (mem.ple) {
-      mem.ple->reset(b, ple_shape_, slot, config_.qwen4exp->ngram_size,
-                     *config_.qwen4exp->eos_token_id);
+      mem.ple->reset(b, ple_shape_, slot, q.ngram_size, *q.eos_token_id);
     }
   }
 }
 
 Status Qwen4ExpModel::free_sequence(int32_t slot) {
-  return slots_.release(slot);
+  return core_.slots.release(slot);
 }
 
 Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
-  Backend& b = *backend_;
+  Backend& b = *core_.backend;
   Workspace& ws = *ws_;
-  const StepContext& step = ws.step;
+  const StepContext& step = *core_.step;
   const int64_t n = step.n_rows();
-  const int64_t hidden = config_.hidden_size;
-  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
+  const int64_t hidden = core_.config.hidden_size;
+  unsigned long long* non_finite = core_.head->non_finite();
 
-  b.profile_mark("embed");
+  core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
   E4KV_RETURN_IF_ERROR(b.hc_expand(ws.e.data(), n, hc_shape_.streams, hidden, ws.x.data()));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     LayerMemory& mem = memory_[l];
     if (layer.ple) {
-      b.profile_mark("ple");
+      core_.mark("ple");
       E4KV_RETURN_IF_ERROR(
           layer.ple->forward(b, batch.token_ids, step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
     }
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
-    b.profile_mark(layer.qsa ? "qsa" : "delta_net");
+    core_.mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
       probe_attention_input(b, batch.probe, int64_t(l), ws.mix.data(),
                             size_t(n * hidden) * dtype_size(b.act_dtype()));
       E4KV_RETURN_IF_ERROR(layer.qsa->forward(b, step, qsa_cache(l), ws.mix.data(), ws.y.data(),
                                               *ws.qsa, non_finite,
-                                              kv_stats_.sink(int64_t(l), batch.purpose)));
-      probe_attention_output(b, batch.probe, int64_t(l), ws.qsa->attn.as<float>(), n,
+                                              core_.kv_stats.sink(int64_t(l), batch.purpose)));
+      probe_attention_output(b, batch.probe, int64_t(l), ws.qsa->heads.attn.as<float>(), n,
                              qsa_shape_.q_dim());
       probe_qsa_selection(b, batch.probe, int64_t(l), ws.qsa->sel_tokens.as<int32_t>(),
                           ws.qsa->sel_counts.as<int32_t>(), n, qsa_shape_.sel_width());
@@ -375,25 +351,24 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
       E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
                                                     ws.y.data(), *mem.delta_net, *ws.delta_net));
     }
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
-    b.profile_mark("moe");
+    core_.mark("moe");
     E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
-    b.profile_mark("hyper_connection");
+    core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
   }
   return ok_status();
 }
 
 Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
-  Backend& b = *backend_;
+  Backend& b = *core_.backend;
   Workspace& ws = *ws_;
-  const ModelConfig& c = config_;
-  b.profile_mark("step_context");
-  E4KV_RETURN_IF_ERROR(
-      ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
-  E4KV_RETURN_IF_ERROR(ws.step.build_sequences(batch, slots_));
+  const ModelConfig& c = core_.config;
+  const LogitsHead& head = *core_.head;
+  E4KV_RETURN_IF_ERROR(core_.build_step(batch));
+  E4KV_RETURN_IF_ERROR(core_.step->build_sequences(batch, core_.slots));
   for (size_t r = 0; r < batch.token_ids.size(); ++r) {
     const int64_t id = batch.token_ids[r];
     const std::vector<int64_t>& media = c.qwen4exp->media_token_ids;
@@ -403,39 +378,25 @@ Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
                                "Qwen4Exp only (the vision tower is not loaded): give text input"));
     }
   }
-  const StepContext& step = ws.step;
-  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
-  b.fill_zero(non_finite, 2 * sizeof(unsigned long long));
+  const StepContext& step = *core_.step;
+  head.begin_step(b);
+
+  // No final RMSNorm: the final mixer's norm is it.
+  const LogitsHead::FinalNorm final_mix = [&](const void* in, int64_t m, void* out) {
+    return final_mixer_->mix(b, m, in, out, ws.hc);
+  };
 
   // From here on the sequences' states change: a failure leaves them undefined.
-  Status status = run_layers(batch);
-  const int64_t m = step.n_logits();
-  const int64_t hidden = c.hidden_size;
-  const DeviceLogits logits{ws.logits.as<float>(), m, c.vocab_size};
-  if (status.ok() && m > 0) {
-    b.profile_mark("lm_head");
-    const int64_t width = hc_shape_.width();
-    status = b.gather_rows(ws.x.data(), step.logit_rows(), m, width, ws.xs.data());
-    if (status.ok()) status = final_mixer_->mix(b, m, ws.xs.data(), ws.hs.data(), ws.hc);
-    const void* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
-    if (status.ok()) {
-      status = b.linear(ws.hs.data(), head, nullptr, m, hidden, c.vocab_size, ws.logits.data(),
-                        DType::kF32);
-    }
-    if (status.ok()) b.profile_mark("counters");
+  const Status status = run_layers(batch);
+  Result<DeviceLogits> logits = status.ok()
+                                     ? head.logits(b, step, ws.x.data(), final_mix, core_.profiler)
+                                     : Result<DeviceLogits>(status);
+  if (!logits.ok()) {
+    for (int32_t slot : batch.seq_slots) core_.slots.poison(slot);
+    return logits.status();
   }
-  if (!status.ok()) {
-    for (int32_t slot : batch.seq_slots) slots_.poison(slot);
-    return status;
-  }
-  unsigned long long counts[2] = {0, 0};
-  b.copy_to_host(counts, non_finite, sizeof(counts));
-  step.commit_sequences(slots_);
-  if (counts[0] != 0 || counts[1] != 0) {
-    return Status::error(cat("forward: ", counts[0], " non-finite K and ", counts[1],
-                             " non-finite V values reached the KV cache (inf or NaN "
-                             "activations: the weights or the input overflow FP16)"));
-  }
+  step.commit_sequences(core_.slots);
+  E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
   return logits;
 }
 

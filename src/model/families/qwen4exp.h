@@ -23,17 +23,13 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
-#include "kv/scale_gate.h"
-#include "model/kv_statistics.h"
+#include "model/families/model_core.h"
 #include "model/layers/gated_delta_net.h"
 #include "model/layers/hyper_connection.h"
 #include "model/layers/moe.h"
 #include "model/layers/ple.h"
 #include "model/layers/qsa_attention.h"
 #include "model/model.h"
-#include "model/rope.h"
-#include "model/sequence_slots.h"
-#include "model/step_context.h"
 
 namespace e4kv {
 
@@ -53,14 +49,15 @@ class Qwen4ExpModel final : public Model {
   Qwen4ExpModel(const Qwen4ExpModel&) = delete;
   Qwen4ExpModel& operator=(const Qwen4ExpModel&) = delete;
 
-  const ModelConfig& config() const override { return config_; }
-  const ModelLimits& limits() const override { return limits_; }
-  const KvScales& kv_scales() const override { return kv_scales_; }
-  KvCacheDtype kv_cache_dtype() const override { return options_.kv_cache_dtype; }
-  int64_t block_size() const override { return options_.block_size; }
-  int64_t n_blocks() const override { return options_.n_blocks; }
+  const ModelConfig& config() const override { return core_.config; }
+  const ModelLimits& limits() const override { return core_.limits; }
+  const KvScales& kv_scales() const override { return core_.kv_scales; }
+  KvCacheDtype kv_cache_dtype() const override { return core_.options.kv_cache_dtype; }
+  int64_t block_size() const override { return core_.options.block_size; }
+  int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
-  Backend& backend() const override { return *backend_; }
+  Backend& backend() const override { return *core_.backend; }
+  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   Result<int32_t> allocate_sequence() override;
@@ -71,15 +68,12 @@ class Qwen4ExpModel final : public Model {
   int64_t skipped_tensors() const { return skipped_tensors_; }
   std::vector<std::string> load_notes() const override;
 
-  Status start_kv_statistics() override {
-    return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),
-                           options_.kv_cache_dtype);
-  }
-  Result<std::vector<LayerKvStats>> kv_statistics() override { return kv_stats_.read(); }
+  Status start_kv_statistics() override { return core_.start_kv_statistics(); }
+  Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }
   KvCacheView kv_cache(int64_t layer) const override {
     return layers_[size_t(layer)].qsa ? qsa_cache(size_t(layer)).kv : KvCacheView{};
   }
-  void stop_kv_statistics() override { kv_stats_.stop(); }
+  void stop_kv_statistics() override { core_.kv_stats.stop(); }
 
  private:
   // Zero states, an EOS-filled n-gram history: a slot as a new sequence finds it.
@@ -107,12 +101,7 @@ class Qwen4ExpModel final : public Model {
   QsaLayerCache qsa_cache(size_t layer) const;
   Status run_layers(const ForwardBatch& batch);
 
-  ModelConfig config_;
-  ModelOptions options_;
-  ModelLimits limits_;
-  KvScales kv_scales_;
-  RopeTable rope_;
-  Backend* backend_ = nullptr;
+  ModelCore core_;
   int64_t skipped_tensors_ = 0;
 
   HyperConnectionShape hc_shape_;
@@ -125,8 +114,6 @@ class Qwen4ExpModel final : public Model {
   std::vector<Layer> layers_;
   std::optional<HyperConnection> final_mixer_;
   std::vector<LayerMemory> memory_;
-  SequenceSlots slots_;
-  KvStatisticsCollector kv_stats_;
   std::unique_ptr<Workspace> ws_;
 };
 

@@ -18,14 +18,10 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
-#include "kv/block_allocator.h"
-#include "kv/scale_gate.h"
-#include "model/kv_statistics.h"
+#include "model/families/model_core.h"
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
 #include "model/model.h"
-#include "model/rope.h"
-#include "model/step_context.h"
 
 namespace e4kv {
 
@@ -44,8 +40,6 @@ struct DenseModelSpec {
 // architecture and listing the supported ones.
 Result<DenseModelSpec> dense_model_spec(const ModelConfig& config);
 
-using DenseModelOptions = ModelOptions;
-
 class DenseModel final : public Model {
  public:
   // Checks the config (family, layer kinds, sliding window, RoPE type, hidden_act) and every
@@ -53,36 +47,34 @@ class DenseModel final : public Model {
   // for an E4M3 cache, uploads the weights and allocates the cache and every workspace for the
   // limits of `options`. Errors name the file, field or tensor and what to do.
   static Result<std::unique_ptr<DenseModel>> load(const Checkpoint& ckpt, Backend& backend,
-                                                  const DenseModelOptions& options);
+                                                  const ModelOptions& options);
 
   ~DenseModel() override;
   DenseModel(const DenseModel&) = delete;
   DenseModel& operator=(const DenseModel&) = delete;
 
-  const ModelConfig& config() const override { return config_; }
-  const ModelLimits& limits() const override { return limits_; }
-  const KvScales& kv_scales() const override { return kv_scales_; }
-  KvCacheDtype kv_cache_dtype() const override { return options_.kv_cache_dtype; }
-  int64_t block_size() const override { return options_.block_size; }
-  int64_t n_blocks() const override { return options_.n_blocks; }
+  const ModelConfig& config() const override { return core_.config; }
+  const ModelLimits& limits() const override { return core_.limits; }
+  const KvScales& kv_scales() const override { return core_.kv_scales; }
+  KvCacheDtype kv_cache_dtype() const override { return core_.options.kv_cache_dtype; }
+  int64_t block_size() const override { return core_.options.block_size; }
+  int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
-  Backend& backend() const override { return *backend_; }
+  Backend& backend() const override { return *core_.backend; }
+  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
   const DenseModelSpec& spec() const { return spec_; }
-  const RopeTable& rope() const { return rope_; }
+  const RopeTable& rope() const { return core_.rope; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
-  Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
-  Status begin_sequence(int32_t slot) override { return slots_.acquire(slot); }
-  Status free_sequence(int32_t slot) override { return slots_.release(slot); }
+  Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
+  Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }
+  Status free_sequence(int32_t slot) override { return core_.slots.release(slot); }
 
-  Status start_kv_statistics() override {
-    return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),
-                           options_.kv_cache_dtype);
-  }
-  Result<std::vector<LayerKvStats>> kv_statistics() override { return kv_stats_.read(); }
+  Status start_kv_statistics() override { return core_.start_kv_statistics(); }
+  Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }
   KvCacheView kv_cache(int64_t layer) const override { return cache_view(size_t(layer)); }
-  void stop_kv_statistics() override { kv_stats_.stop(); }
+  void stop_kv_statistics() override { core_.kv_stats.stop(); }
 
  private:
   struct Layer {
@@ -95,13 +87,8 @@ class DenseModel final : public Model {
   DenseModel();
   KvCacheView cache_view(size_t layer) const;
 
-  ModelConfig config_;
+  ModelCore core_;
   DenseModelSpec spec_;
-  DenseModelOptions options_;
-  ModelLimits limits_;
-  KvScales kv_scales_;
-  RopeTable rope_;
-  Backend* backend_ = nullptr;
 
   BackendBuffer embed_;       // [vocab, hidden]
   BackendBuffer final_norm_;  // [hidden]
@@ -109,8 +96,6 @@ class DenseModel final : public Model {
   std::vector<Layer> layers_;
   std::vector<BackendBuffer> caches_;  // per layer: [n_blocks, 2, block_size, n_kv_heads, head_dim]
   std::unique_ptr<Workspace> ws_;
-  SequenceSlots slots_;
-  KvStatisticsCollector kv_stats_;
 };
 
 }  // namespace e4kv

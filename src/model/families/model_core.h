@@ -1,0 +1,65 @@
+// What every family holds the same way, by composition: the config and options it was loaded
+// with, the limits its workspaces are sized for, the K/V scales behind the gate, the RoPE table,
+// the per-step context, the sequence slots, the calibration statistics and the logits head. A
+// family adds its weights, its memory and the composition of its layers.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "backend/backend.h"
+#include "backend/profiler.h"
+#include "core/status.h"
+#include "io/checkpoint.h"
+#include "kv/kv_cache_view.h"
+#include "kv/scale_gate.h"
+#include "model/kv_statistics.h"
+#include "model/logits_head.h"
+#include "model/model.h"
+#include "model/rope.h"
+#include "model/sequence_slots.h"
+#include "model/step_context.h"
+
+namespace e4kv {
+
+struct ModelCore {
+  ModelConfig config;
+  ModelOptions options;
+  ModelLimits limits;
+  KvScales kv_scales;
+  RopeTable rope;
+  Backend* backend = nullptr;
+  StepProfiler* profiler = nullptr;  // optional (Model::set_step_profiler)
+  SequenceSlots slots;
+  KvStatisticsCollector kv_stats;
+  std::optional<StepContext> step;  // create_step_and_head
+  std::optional<LogitsHead> head;   // create_step_and_head
+
+  // The config, the options and the backend; the limits (errors name the option out of range)
+  // and a pool of limits.max_seqs slots.
+  Status init(const Checkpoint& ckpt, Backend& backend, const ModelOptions& options);
+  // The RoPE table and the K/V scales (the scale gate, for an E4M3 cache).
+  Status load_rope_and_scales(const Checkpoint& ckpt);
+  // The step context and the logits head for the limits. width: the last hidden rows' width;
+  // projection: the output projection [vocab, hidden] act (lm_head, or the embedding when tied).
+  Status create_step_and_head(int64_t width, const void* projection);
+
+  // The main KV cache of `layer` over `data`: the model's geometry and, for an E4M3 cache, the
+  // layer's scales.
+  KvCacheView kv_cache_view(void* data, size_t layer) const;
+
+  // Opens the profile's section `section` when profiling.
+  void mark(const char* section) const {
+    if (profiler != nullptr) profiler->mark(section);
+  }
+
+  // Checks `batch` and builds the step's metadata (StepContext::build).
+  Status build_step(const ForwardBatch& batch);
+
+  Status start_kv_statistics() {
+    return kv_stats.start(*backend, config.n_layers, config.kv_cache_layers(),
+                          options.kv_cache_dtype);
+  }
+};
+
+}  // namespace e4kv
