@@ -328,15 +328,17 @@ Status Engine::use_logits(const StepPlan& plan, std::span<const LogitRow> rows,
     Request& request = requests_.at(chunk.id);
     const Sequence* seq = scheduler_.find(chunk.id);
     const RequestParams& params = request.params;
-    const std::string non_finite_error = cat("the model produced non-finite logits at position ",
-                                             row.position, " of ", seq->tokens.size(), " tokens");
+    auto non_finite_error = [&] {
+      return cat("the model produced non-finite logits at position ", row.position, " of ",
+                 seq->tokens.size(), " tokens");
+    };
     int32_t token = -1;
     RequestUpdate* u = nullptr;
     const bool may_stop = request.n_output >= params.min_tokens;
     if (draw_of_row[r] >= 0) {
       const size_t j = size_t(draw_of_row[r]);
       if (drawn[draws.size() + j] != 0) {
-        failed[row.chunk] = non_finite_error;
+        failed[row.chunk] = non_finite_error();
         continue;
       }
       token = drawn[j];
@@ -346,7 +348,7 @@ Status Engine::use_logits(const StepPlan& plan, std::span<const LogitRow> rows,
       backend.copy_to_host(host.data(), logits.data + r * vocab, vocab * sizeof(float));
       const std::span<float> out(host);
       if (std::any_of(out.begin(), out.end(), [](float v) { return !std::isfinite(v); })) {
-        failed[row.chunk] = non_finite_error;
+        failed[row.chunk] = non_finite_error();
         continue;
       }
       if (!row.samples) {

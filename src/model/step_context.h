@@ -72,6 +72,9 @@ class StepContext {
   std::vector<int32_t> row_seq_host_, row_pos_host_, seq_lens_host_, table_host_;
   std::vector<int64_t> slots_host_;
   std::vector<float> cos_host_, sin_host_;
+  // cos / sin of positions 0.. (grown as positions appear, up to max_seq_tokens) of one table.
+  const RopeTable* rope_table_of_ = nullptr;
+  std::vector<float> rope_cos_all_, rope_sin_all_;
   QueryBatchView host_rows_;
 
   BackendBuffer ids_, row_seq_, row_pos_, slots_, cos_, sin_, logit_rows_, seq_lens_, table_;
