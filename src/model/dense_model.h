@@ -75,6 +75,10 @@ class DenseModel final : public Model {
   Result<int32_t> allocate_sequence() override { return slots_.allocate(); }
   Status begin_sequence(int32_t slot) override { return slots_.acquire(slot); }
   Status free_sequence(int32_t slot) override { return slots_.release(slot); }
+  Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) override {
+    return slots_.copy(src_slot, dst_slot);
+  }
+  Status copy_blocks(std::span<const BlockCopy> copies) override;
 
   Status start_kv_statistics() override {
     return kv_stats_.start(*backend_, config_.n_layers, config_.kv_cache_layers(),

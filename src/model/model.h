@@ -155,6 +155,16 @@ class Model {
   // a slot out of range or in use.
   virtual Status begin_sequence(int32_t slot) = 0;
   virtual Status free_sequence(int32_t slot) = 0;
+  // A forked sequence (n completions of one prompt): `dst_slot`, begun with begin_sequence,
+  // becomes a copy of `src_slot`'s state (every per-sequence buffer and the count of tokens seen),
+  // so the fork continues from the parent's tokens without recomputing them. Errors for a slot
+  // not in use, src == dst, or a source whose state a failed forward left half-written.
+  virtual Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) = 0;
+  // Copy on write of shared cache blocks (kv/block_allocator.h's BlockCopy, the engine's
+  // StepPlan::block_copies): in every layer's paged memory (main K/V, QSA compressed indexer
+  // rows), block dst becomes a copy of block src, as if the copies ran in order. Run before the
+  // forward that writes into the destinations.
+  virtual Status copy_blocks(std::span<const BlockCopy> copies) = 0;
 
   // Calibration (DESIGN.md section 6). After start_kv_statistics(), the cache writes of every
   // kServe forward also accumulate the magnitude statistics of the FP16 K and V values they
