@@ -84,6 +84,8 @@ class Qwen4ExpForkCuda : public ::testing::Test {
     SynthCheckpointOptions options;
     options.family = SynthFamily::kQwen4Exp;
     options.n_layers = 4;
+    options.index_budget = 8;  // the selection reads the compressed rows and the ring
+    options.ple_layer = 1;
     ASSERT_TRUE(write_synth_checkpoint(tmp_.path(), options).ok());
     Result<Checkpoint> ckpt = Checkpoint::open(tmp_.path());
     ASSERT_TRUE(ckpt.ok()) << ckpt.message();
@@ -107,7 +109,7 @@ class Qwen4ExpForkCuda : public ::testing::Test {
   static std::vector<float> run(Model& model, const BlockTable& table, int32_t slot,
                                 const std::vector<int32_t>& tokens, int64_t start, int64_t n) {
     std::vector<int32_t> ids(tokens.begin() + start, tokens.begin() + start + n);
-    std::vector<int32_t> seq(size_t(n), 0), pos(size_t(n));
+    std::vector<int32_t> seq(static_cast<size_t>(n), 0), pos(static_cast<size_t>(n));
     for (int64_t r = 0; r < n; ++r) pos[size_t(r)] = int32_t(start + r);
     const int32_t last = int32_t(n - 1);
     Result<std::vector<float>> logits = model.forward({ids,

@@ -3,7 +3,10 @@
 // the n = 1 greedy run, seeded completion i equals an n = 1 request seeded with seed + i run alone
 // (sampled completions write different tokens into the shared partly filled last block: without
 // the copy on write, or without the Qwen4Exp state copy, they would read each other's K/V or a
-// zero state), and blocks and slots come back after the end, an abort and preemption.
+// zero state), and blocks and slots come back after the end, an abort and preemption. The
+// Qwen4Exp model has a QSA budget below the sequences' lengths and a PLE layer, so that every
+// per-sequence buffer (DeltaNet conv and recurrent states, the QSA raw ring, the PLE window and
+// n-gram history) reaches the tokens.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -75,6 +78,10 @@ class EngineN : public ::testing::TestWithParam<std::string> {
     SynthCheckpointOptions options;
     options.family = GetParam() == "qwen4exp" ? SynthFamily::kQwen4Exp : SynthFamily::kLlama;
     options.n_layers = GetParam() == "qwen4exp" ? 4 : 2;
+    // Every per-sequence state in play: a QSA budget below the sequences' lengths (the selection
+    // reads the compressed rows, hence the raw ring of a group in progress) and a PLE layer.
+    options.index_budget = 8;
+    options.ple_layer = 1;
     ASSERT_TRUE(write_synth_checkpoint(tmp_.path(), options).ok());
     Result<Checkpoint> ckpt = Checkpoint::open(tmp_.path());
     ASSERT_TRUE(ckpt.ok()) << ckpt.message();
