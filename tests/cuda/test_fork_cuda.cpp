@@ -166,9 +166,11 @@ TEST_F(Qwen4ExpForkCuda, AForkedSlotContinuesAsItsParentAndAsTheCpu) {
   ASSERT_TRUE(on_gpu && on_cpu);
   const auto [gpu_fork, gpu_parent] = fork_and_continue(*on_gpu);
   const auto [cpu_fork, cpu_parent] = fork_and_continue(*on_cpu);
-  // The same rows on the same backend: the same bits.
-  EXPECT_EQ(gpu_fork, gpu_parent);
+  // The same rows on the same backend: the same numbers (the CPU's bits; on the GPU a bound far
+  // below what a missing state or block copy moves, in case an op's reduction order varies).
   EXPECT_EQ(cpu_fork, cpu_parent);
+  const test::CompareReport same = test::compare(gpu_fork, gpu_parent, 0.0, 0.0);
+  EXPECT_LE(same.rel_l2, 1e-5) << same.summary();
   // FP16 activations against fp32: the bound of the model's other CUDA-vs-CPU tests.
   const test::CompareReport report = test::compare(gpu_fork, cpu_fork, 0.0, 0.0);
   EXPECT_LE(report.rel_l2, 1e-2) << report.summary();
