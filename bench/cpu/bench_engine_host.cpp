@@ -161,6 +161,8 @@ class FreeForwardModel final : public e4kv::Model {
   e4kv::Result<int32_t> allocate_sequence() override { return 0; }
   e4kv::Status begin_sequence(int32_t) override { return e4kv::ok_status(); }
   e4kv::Status free_sequence(int32_t) override { return e4kv::ok_status(); }
+  e4kv::Status copy_sequence_state(int32_t, int32_t) override { return e4kv::ok_status(); }
+  e4kv::Status copy_blocks(std::span<const e4kv::BlockCopy>) override { return e4kv::ok_status(); }
   e4kv::Status start_kv_statistics() override { return e4kv::ok_status(); }
   e4kv::KvCacheView kv_cache(int64_t) const override { return {}; }
   e4kv::Result<std::vector<e4kv::LayerKvStats>> kv_statistics() override {

@@ -11,6 +11,16 @@ Status no_hybrid_op(const Backend& backend, const char* op) {
 
 }  // namespace
 
+Status validate_block_copies(int64_t n_blocks, std::span<const BlockCopy> copies) {
+  for (const BlockCopy& c : copies) {
+    if (c.src < 0 || c.src >= n_blocks || c.dst < 0 || c.dst >= n_blocks || c.src == c.dst) {
+      return Status::error(cat("copy_blocks: block copy ", c.src, " -> ", c.dst,
+                               " is outside the pool of ", n_blocks, " blocks or onto itself"));
+    }
+  }
+  return ok_status();
+}
+
 Status Backend::rms_norm_grouped(const void*, const void*, int64_t, int64_t, int64_t, float,
                                  RmsNormForm, void*) {
   return no_hybrid_op(*this, "rms_norm_grouped");

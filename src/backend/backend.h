@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "core/rms_norm_form.h"
 #include "core/status.h"
 #include "io/safetensors.h"
+#include "kv/block_allocator.h"
 #include "kv/kv_cache_view.h"
 #include "kv/kv_histogram.h"
 #include "qsa/indexer_cache.h"
@@ -36,6 +38,9 @@
 namespace e4kv {
 
 class Backend;
+
+// Checks copy_blocks' arguments on the host (ids in range, src != dst); every backend calls it.
+Status validate_block_copies(int64_t n_blocks, std::span<const BlockCopy> copies);
 
 // The rows of each sequence in one forward, for ops that carry per-sequence state (conv windows,
 // recurrent states, indexer rings). Rows of sequence s are [row_begin[s], row_begin[s + 1]) at
@@ -133,6 +138,15 @@ class Backend {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   // Zero-fills `bytes` of backend memory (ordered with the ops).
   virtual void fill_zero(void* dst, size_t bytes) = 0;
+  // Whole-block copies inside one pool of equal blocks, with the result of doing them one after
+  // another in the order given: block copies[i].dst becomes a copy of block copies[i].src. The
+  // model runs it on every layer's paged memory (main K/V blocks, QSA compressed indexer rows) for
+  // the engine's copy-on-write of a forked sequence's shared last block, and on each per-sequence
+  // state pool (a slot is a block) to start a forked sequence from its parent's state.
+  // pool: [n_blocks, block_bytes] bytes; copies: host pairs. Errors: an id outside [0, n_blocks),
+  // src == dst.
+  virtual Status copy_blocks(void* pool, int64_t n_blocks, size_t block_bytes,
+                             std::span<const BlockCopy> copies) = 0;
   // Waits for every earlier op.
   virtual void synchronize() = 0;
   // Uploads a checkpoint tensor (F32, F16 or BF16; any shape, numel elements) converted to

@@ -6,11 +6,22 @@
 // requests whose chunk reached their last token, and reports what each produced; abort() ends a
 // request at any point. Preempted requests recompute and continue where they were.
 //
+// n completions of one prompt (RequestParams::n, vLLM's parallel sampling): the prompt runs once,
+// in one sequence. The step whose chunk reaches its last token samples the first token of every
+// completion from that one logits row, each with its own Sampler (completion i seeded with
+// seed + i, so completion 0 draws what the same request with n = 1 draws), and the sequence forks
+// into one sequence per completion still running (engine/scheduler.h: the blocks shared, the
+// partly filled last one copied on write; the model's per-sequence state copied into each fork's
+// slot, Model::copy_sequence_state). From then on each completion is an ordinary sequence: it
+// decodes, stops, is preempted and recomputed (from the prompt and its own tokens) on its own.
+// Updates carry the completion's index; a request ends when every completion has.
+//
 // Threading: one thread owns an Engine and calls every method; other threads hand it work through
 // a queue of their own (the server's HTTP threads do).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -32,8 +43,15 @@ struct EngineConfig {
   int64_t max_num_seqs = 0;
 };
 
+// The most completions one request may ask for (RequestParams::n).
+inline constexpr int64_t kMaxCompletions = 64;
+
 // vLLM's request parameters; the logits-shaping ones are in `sampling` (engine/sampler.h).
 struct RequestParams {
+  // Completions of the prompt (vLLM's n): 1..kMaxCompletions, and at most the engine's
+  // max_num_seqs (they run at once). The prompt is computed once for all of them. Completion i
+  // samples with seed sampling.seed + i (mod 2^64); the other fields apply to each completion.
+  int64_t n = 1;
   SamplingParams sampling;
   int64_t max_tokens = 16;  // new tokens at most (also cut at the max model length)
   // Stop and EOS ids and stop strings do not end the request before it has this many tokens:
@@ -59,15 +77,20 @@ struct RequestParams {
   int64_t prompt_logprobs = -1;
 };
 
-// Errors name the field (max_tokens, min_tokens, stop_ids, eos_ids, stop, logprobs,
+// Errors name the field (n, max_tokens, min_tokens, stop_ids, eos_ids, stop, logprobs,
 // prompt_logprobs, and the sampling fields of validate_sampling_params). vocab_size > 0 checks ids.
 Status validate_request_params(const RequestParams& params, int64_t vocab_size);
 
-// What one step did for one request.
+// What one step did for one completion of one request (a request with n = 1 has one, index 0).
 struct RequestUpdate {
   RequestId id = 0;
+  // The completion, 0..n-1 (vLLM's CompletionOutput.index). Prompt logprobs come with index 0.
+  int32_t index = 0;
   std::vector<int32_t> new_tokens;  // sampled this step (at most one today)
-  bool finished = false;
+  bool finished = false;            // this completion has ended
+  // Every completion of the request has ended: the request is gone from the engine. On one update
+  // per request, its last (with `finished`; the same as it for n = 1).
+  bool request_finished = false;
   // "stop" (a stop or EOS id), "length" (max_tokens or the max model length), "abort", "error".
   std::string finish_reason;
   std::string error;  // why, when finish_reason is "error"
@@ -93,8 +116,12 @@ class Engine {
   // whole pool could not hold.
   Result<RequestId> add_request(std::vector<int32_t> prompt, const RequestParams& params);
 
-  // Ends a request (waiting or running) and frees what it holds. False for an unknown id.
+  // Ends a request (waiting or running), every completion of it, and frees what it holds. False
+  // for an unknown id.
   bool abort(RequestId id);
+  // Ends one completion of a request (a stop string matched in its text); the request ends with
+  // its last completion. False for an unknown id or index, or a completion already ended.
+  bool abort(RequestId id, int32_t index);
 
   // One forward. Returns an update for every request that produced a token or finished. A failed
   // forward finishes the requests it ran with "error" (their state may be half-written) and
@@ -106,15 +133,28 @@ class Engine {
   Model& model() const { return model_; }
 
  private:
+  struct Completion {
+    Sampler sampler;
+    SequenceId seq = -1;  // its sequence after the fork while it runs; -1 before and once ended
+    int64_t n_output = 0;
+    bool finished = false;
+  };
   struct Request {
     RequestParams params;
-    Sampler sampler;
-    int64_t n_output = 0;
-    int32_t model_slot = -1;  // the model's state slot while running
+    std::vector<Completion> completions;  // [n]
+    // Until the prompt's last token is sampled, the one sequence of the prompt; then -1.
+    SequenceId prompt_seq = -1;
+    int64_t n_unfinished = 0;
     // Prompt positions whose logprobs were reported (1 + the rows done; a preempted request
     // recomputes its rows and reports none twice).
     int64_t n_prompt_logprobs = 1;
     std::vector<int32_t> stop_set;  // stop_ids, and eos_ids unless ignore_eos
+  };
+  // A sequence of the scheduler: whose it is and the model state slot it holds while running.
+  struct SequenceInfo {
+    RequestId request = 0;
+    int32_t completion = 0;  // 0 for the prompt's sequence
+    int32_t model_slot = -1;
   };
   // One row's logits: what they are for.
   struct LogitRow {
@@ -125,21 +165,41 @@ class Engine {
   // Uses one forward's logits [rows.size(), vocab]. A request with non-finite logits gets
   // `failed` (finished after the step's forwards, which may still hold its rows).
   // Rows whose draw needs nothing but the logits (no penalties, bias, suppression, logprobs,
-  // top-k or top-p) are drawn on the backend (Backend::sample_rows); the others are copied to
-  // the host one by one.
+  // top-k or top-p; after the fork) are drawn on the backend (Backend::sample_rows); the others
+  // are copied to the host one by one.
   Status use_logits(const StepPlan& plan, std::span<const LogitRow> rows,
                     const DeviceLogits& logits, std::vector<RequestUpdate>& updates,
                     std::vector<std::string>& failed);
-  bool draws_on_backend(const Request& request) const;
-  RequestUpdate& update_for(RequestId id, std::vector<RequestUpdate>& updates);
-  Status release_slot(Request& request);
-  Status finish(RequestId id, Request& request);
+  bool draws_on_backend(const Request& request, const Completion& completion) const;
+  // The prompt's sample: the first token of every completion from one processed logits row,
+  // then the fork.
+  Status sample_first(RequestId id, Request& request, std::span<const float> processed,
+                      std::span<const float> raw, std::vector<RequestUpdate>& updates);
+  // Samples completion `index`'s next token into its update; true when that ends it.
+  bool sample_into(Request& request, int32_t index, int64_t n_tokens,
+                   std::span<const float> processed, std::span<const float> raw, RequestUpdate& u);
+  // Completion `index` takes `token` (drawn already) into its update; true when that ends it.
+  // raw: the row's unprocessed logits when the request asked for logprobs.
+  bool take_token(Request& request, int32_t index, int64_t n_tokens, int32_t token,
+                  std::span<const float> raw, RequestUpdate& u);
+  RequestUpdate& update_for(RequestId id, int32_t index, std::vector<RequestUpdate>& updates);
+  Status release_slot(SequenceId seq);
+  Status remove_sequence(SequenceId seq);
+  // Ends completion `index` (its sequence removed); true when that ended the request (then gone).
+  Result<bool> finish_completion(RequestId id, int32_t index);
+  // Ends the request and every sequence of it; with a reason, every completion still running
+  // gets a finished update.
+  Status finish_request(RequestId id, const std::string& reason, const std::string& error,
+                        std::vector<RequestUpdate>* updates);
 
   Model& model_;
   Scheduler scheduler_;
   std::unordered_map<RequestId, Request> requests_;
+  std::unordered_map<SequenceId, SequenceInfo> sequences_;
   RequestId next_id_ = 0;
-  std::unordered_map<RequestId, size_t> update_index_;  // this step's update of each request
+  SequenceId next_seq_ = 0;
+  // This step's update of each (request, completion).
+  std::map<std::pair<RequestId, int32_t>, size_t> update_index_;
   // Backend memory of the backend draws: [max_logit_rows] SampleRowParams; [2 * max_logit_rows]
   // int32 tokens then non-finite counts. Allocated at the first draw.
   BackendBuffer sample_params_, sample_out_;

@@ -7,9 +7,16 @@ namespace e4kv {
 OutputProcessor::OutputProcessor(const Tokenizer& tokenizer) : tokenizer_(&tokenizer) {}
 
 void OutputProcessor::add_request(RequestId id, const RequestParams& params) {
-  State state{StreamingDecoder(*tokenizer_, params.skip_special_tokens), params.stop,
-              params.include_stop_str_in_output, params.min_tokens, 0, {}};
-  requests_.insert_or_assign(id, std::move(state));
+  Request request;
+  for (int64_t i = 0; i < std::max<int64_t>(params.n, 1); ++i) {
+    request.completions.push_back(
+        State{.decoder = StreamingDecoder(*tokenizer_, params.skip_special_tokens),
+              .stop = params.stop,
+              .include_stop_str_in_output = params.include_stop_str_in_output,
+              .min_tokens = params.min_tokens});
+  }
+  request.n_unfinished = int64_t(request.completions.size());
+  requests_.insert_or_assign(id, std::move(request));
 }
 
 bool OutputProcessor::take_text(State& state, const std::string& text, bool may_stop,
@@ -58,8 +65,10 @@ bool OutputProcessor::take_text(State& state, const std::string& text, bool may_
 RequestOutput output_without_text(const RequestUpdate& update) {
   RequestOutput out;
   out.id = update.id;
+  out.index = update.index;
   out.new_tokens = update.new_tokens;
   out.finished = update.finished;
+  out.request_finished = update.request_finished;
   out.finish_reason = update.finish_reason;
   out.stop_token = update.stop_token;
   out.error = update.error;
@@ -75,17 +84,19 @@ std::vector<RequestOutput> OutputProcessor::process(std::span<const RequestUpdat
   outputs.reserve(updates.size());
   for (const RequestUpdate& u : updates) {
     auto it = requests_.find(u.id);
-    if (it == requests_.end()) {
+    if (it == requests_.end() || u.index < 0 || size_t(u.index) >= it->second.completions.size() ||
+        it->second.completions[size_t(u.index)].finished) {
       outputs.push_back(output_without_text(u));
       continue;
     }
     RequestOutput out;
     out.id = u.id;
+    out.index = u.index;
     out.new_tokens = u.new_tokens;
     out.logprobs = u.logprobs;
     out.prompt_logprobs = u.prompt_logprobs;
     out.prompt_logprobs_start = u.prompt_logprobs_start;
-    State& state = it->second;
+    State& state = it->second.completions[size_t(u.index)];
     bool stopped = false;
     for (size_t i = 0; i < u.new_tokens.size() && !stopped; ++i) {
       const int32_t token = u.new_tokens[i];
@@ -109,29 +120,42 @@ std::vector<RequestOutput> OutputProcessor::process(std::span<const RequestUpdat
       out.finished = true;
       out.finish_reason = "stop";
       // Ends it in the engine unless this step's update finished it already.
-      if (engine != nullptr && !u.finished) engine->abort(u.id);
+      if (engine != nullptr && !u.finished) engine->abort(u.id, u.index);
     } else if (u.finished) {
       out.finished = true;
       out.finish_reason = u.finish_reason;
       out.stop_token = u.stop_token;
       out.error = u.error;
     }
-    if (out.finished) requests_.erase(it);
+    if (out.finished) {
+      state.finished = true;
+      if (--it->second.n_unfinished == 0) {
+        out.request_finished = true;
+        requests_.erase(it);
+      }
+    }
     outputs.push_back(std::move(out));
   }
   return outputs;
 }
 
-std::optional<RequestOutput> OutputProcessor::abort(RequestId id, Engine* engine) {
+std::vector<RequestOutput> OutputProcessor::abort(RequestId id, Engine* engine) {
   if (engine != nullptr) engine->abort(id);
+  std::vector<RequestOutput> outputs;
   auto it = requests_.find(id);
-  if (it == requests_.end()) return std::nullopt;
+  if (it == requests_.end()) return outputs;
+  for (size_t i = 0; i < it->second.completions.size(); ++i) {
+    if (it->second.completions[i].finished) continue;
+    RequestOutput out;
+    out.id = id;
+    out.index = int32_t(i);
+    out.finished = true;
+    out.finish_reason = "abort";
+    outputs.push_back(std::move(out));
+  }
+  if (!outputs.empty()) outputs.back().request_finished = true;
   requests_.erase(it);
-  RequestOutput out;
-  out.id = id;
-  out.finished = true;
-  out.finish_reason = "abort";
-  return out;
+  return outputs;
 }
 
 }  // namespace e4kv

@@ -18,10 +18,11 @@
 // - A stop string ends the request in the engine (Engine::abort: its blocks and slot are freed at
 //   once) and the reported finish reason is "stop" with the string, even when the engine finished
 //   it in the same step for "length".
+// - A request with n completions (RequestParams::n) is n such streams, one per completion index:
+//   a stop string ends only the completion whose text it is in (Engine::abort(id, index)).
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -32,12 +33,14 @@
 
 namespace e4kv {
 
-// What one step gave one request, as text.
+// What one step gave one completion of one request, as text.
 struct RequestOutput {
   RequestId id = 0;
+  int32_t index = 0;  // the completion (RequestUpdate::index)
   std::vector<int32_t> new_tokens;
   std::string new_text;  // text that became final this step (may be empty)
-  bool finished = false;
+  bool finished = false;          // this completion has ended
+  bool request_finished = false;  // and with it every completion of the request
   std::string finish_reason;  // "stop", "length", "abort", "error"
   std::string stop_string;    // the stop string that matched (finish_reason "stop")
   int32_t stop_token = -1;    // the stop or EOS id that matched (finish_reason "stop")
@@ -56,7 +59,7 @@ class OutputProcessor {
   // The tokenizer must outlive the processor.
   explicit OutputProcessor(const Tokenizer& tokenizer);
 
-  // Starts a request the engine accepted with `params` (stop, include_stop_str_in_output,
+  // Starts a request the engine accepted with `params` (n, stop, include_stop_str_in_output,
   // skip_special_tokens, min_tokens are used here).
   void add_request(RequestId id, const RequestParams& params);
 
@@ -66,8 +69,9 @@ class OutputProcessor {
   std::vector<RequestOutput> process(std::span<const RequestUpdate> updates, Engine* engine);
 
   // Ends a request at its owner's wish: aborted in `engine` when given, its held text dropped.
-  // The output has finish_reason "abort"; none for an unknown id.
-  std::optional<RequestOutput> abort(RequestId id, Engine* engine);
+  // One output with finish_reason "abort" per completion still running (the last with
+  // request_finished); none for an unknown id.
+  std::vector<RequestOutput> abort(RequestId id, Engine* engine);
 
   size_t n_requests() const { return requests_.size(); }
 
@@ -79,6 +83,11 @@ class OutputProcessor {
     int64_t min_tokens = 0;
     int64_t n_tokens = 0;
     std::string held;  // decoded text not yet released: it may begin a stop string
+    bool finished = false;
+  };
+  struct Request {
+    std::vector<State> completions;  // [n]
+    int64_t n_unfinished = 0;
   };
   // Appends `text` to the held text and releases what is decided into `out`; true when a stop
   // string matched (it is then in out.stop_string). `may_stop`: the text belongs to a token after
@@ -86,7 +95,7 @@ class OutputProcessor {
   static bool take_text(State& state, const std::string& text, bool may_stop, RequestOutput& out);
 
   const Tokenizer* tokenizer_;
-  std::unordered_map<RequestId, State> requests_;
+  std::unordered_map<RequestId, Request> requests_;
 };
 
 }  // namespace e4kv

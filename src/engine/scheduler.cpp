@@ -64,9 +64,10 @@ StepPlan Scheduler::schedule() {
     Sequence& seq = sequences_.at(running_[i]);
     const int64_t n = std::min(int64_t(seq.tokens.size()) - seq.n_computed, budget);
     E4KV_ASSERT(n > 0, "scheduler: a running sequence has no token to compute");
-    const int64_t need = allocator_.blocks_to_append(seq.table, n);
     bool self_preempted = false;
-    while (!allocator_.can_allocate(need)) {
+    // The need is asked again after each preemption: a victim that shared this sequence's partly
+    // filled last block takes the copy on write with it.
+    while (!allocator_.can_allocate(allocator_.blocks_to_append(seq.table, n))) {
       Sequence& victim = sequences_.at(running_.back());
       plan.preempted.push_back(victim.id);
       const bool is_self = victim.id == seq.id;
@@ -131,6 +132,38 @@ void Scheduler::append_token(SequenceId id, int32_t token) {
                   it->second.n_computed == int64_t(it->second.tokens.size()),
               "scheduler: a token for a sequence that did not sample");
   it->second.tokens.push_back(token);
+}
+
+void Scheduler::fork(SequenceId parent_id, std::span<const SequenceId> children,
+                     std::span<const int32_t> tokens) {
+  E4KV_ASSERT(children.size() == tokens.size(), "scheduler: a fork needs one token per child");
+  const Sequence& parent = sequences_.at(parent_id);
+  E4KV_ASSERT(parent.status == SequenceStatus::kRunning &&
+                  parent.n_computed == int64_t(parent.tokens.size()),
+              "scheduler: forking a sequence that did not sample");
+  size_t n_waiting = 0;
+  for (size_t i = 0; i < children.size(); ++i) {
+    E4KV_ASSERT(!sequences_.contains(children[i]), "scheduler: a fork's id is in use");
+    Sequence child;
+    child.id = children[i];
+    child.tokens = parent.tokens;
+    child.tokens.push_back(tokens[i]);
+    child.n_prompt = parent.n_prompt;
+    if (int64_t(running_.size()) < config_.max_num_seqs && slot_capacity() > 0) {
+      child.table = allocator_.fork(parent.table);
+      child.n_computed = parent.n_computed;
+      if (config_.n_state_slots > 0) {
+        std::sort(free_slots_.begin(), free_slots_.end(), std::greater<>());
+        child.state_slot = free_slots_.back();
+        free_slots_.pop_back();
+      }
+      child.status = SequenceStatus::kRunning;
+      running_.push_back(child.id);
+    } else {
+      waiting_.insert(waiting_.begin() + std::ptrdiff_t(n_waiting++), child.id);
+    }
+    sequences_.emplace(child.id, std::move(child));
+  }
 }
 
 bool Scheduler::remove(SequenceId id) {

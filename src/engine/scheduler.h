@@ -12,12 +12,20 @@
 // its blocks and its slot, goes to the front of the waiting queue, and on resuming recomputes its
 // tokens (prompt and output so far) before it samples again, so nothing is lost or duplicated.
 //
+// Forks (n completions of one prompt): a sequence whose prompt is computed forks into sequences
+// that share its blocks (reference counts, kv/block_allocator.h) and continue with their own
+// tokens. Whichever first writes into a shared, partly filled last block gets its own copy of it
+// (StepPlan::block_copies); full blocks stay shared until the last of them ends. A fork is an
+// ordinary sequence from then on: preempting it frees its references and it recomputes from its
+// own tokens, the shared prompt included.
+//
 // Plain C++: no backend or model header; tests drive it with a fake model.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -94,6 +102,16 @@ class Scheduler {
 
   // Appends the token a step sampled for `id` (a running sequence whose chunk sampled).
   void append_token(SequenceId id, int32_t token);
+
+  // Forks the running sequence `parent`, whose step just sampled (every token computed), into new
+  // sequences children[i] that continue with tokens[i] after the parent's tokens. Each shares the
+  // parent's blocks and, while a state slot and max_num_seqs allow, runs at once in its own slot
+  // (find(child)->state_slot: the caller copies the parent's state there before the next step);
+  // otherwise it waits, first in the queue, with nothing computed and recomputes its tokens when
+  // admitted, as a preempted sequence does. The parent is unchanged (append_token gives it its
+  // own next token). Asserts unused child ids.
+  void fork(SequenceId parent, std::span<const SequenceId> children,
+            std::span<const int32_t> tokens);
 
   // Ends a sequence (finished or aborted, waiting or running): its blocks and slot return to the
   // pools and it is forgotten. False for an unknown id.

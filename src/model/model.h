@@ -163,6 +163,12 @@ class Model {
   // the text model skips.
   virtual std::vector<std::string> load_notes() const { return {}; }
 
+  // Why the model cannot take token `id` as input (an empty string when it can), for ids inside the
+  // vocabulary: Qwen4Exp's image and video placeholders, which need the vision tower e4kv does not
+  // run. The engine refuses such a prompt at admission and ends a request that samples such a token,
+  // so no forward that runs other requests meets one.
+  virtual std::string input_token_problem(int32_t /*id*/) const { return {}; }
+
   // Marks each section of later forwards (embedding, each layer's mixer and ffn, the logits) on
   // `profiler`, which outlives its use here; nullptr (the default) marks nothing.
   virtual void set_step_profiler(StepProfiler* profiler) = 0;
@@ -175,6 +181,16 @@ class Model {
   // a slot out of range or in use.
   virtual Status begin_sequence(int32_t slot) = 0;
   virtual Status free_sequence(int32_t slot) = 0;
+  // A forked sequence (n completions of one prompt): `dst_slot`, begun with begin_sequence,
+  // becomes a copy of `src_slot`'s state (every per-sequence buffer and the count of tokens seen),
+  // so the fork continues from the parent's tokens without recomputing them. Errors for a slot
+  // not in use, src == dst, or a source whose state a failed forward left half-written.
+  virtual Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) = 0;
+  // Copy on write of shared cache blocks (kv/block_allocator.h's BlockCopy, the engine's
+  // StepPlan::block_copies): in every layer's paged memory (main K/V, QSA compressed indexer
+  // rows), block dst becomes a copy of block src, as if the copies ran in order. Run before the
+  // forward that writes into the destinations.
+  virtual Status copy_blocks(std::span<const BlockCopy> copies) = 0;
 
   // Calibration (DESIGN.md section 6). After start_kv_statistics(), the cache writes of every
   // kServe forward also accumulate the magnitude statistics of the FP16 K and V values they

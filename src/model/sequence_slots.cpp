@@ -39,6 +39,20 @@ Status SequenceSlots::release(int32_t slot) {
   return ok_status();
 }
 
+Status SequenceSlots::copy(int32_t src, int32_t dst) {
+  if (!valid(src) || !valid(dst) || src == dst) {
+    return Status::error(
+        cat("sequence state copy ", src, " -> ", dst, ": both slots must be in use and distinct"));
+  }
+  if (poisoned(src)) {
+    return Status::error(cat("sequence slot ", src,
+                             " was left half-written by a failed forward; "
+                             "its state cannot be copied"));
+  }
+  tokens_[size_t(dst)] = tokens_[size_t(src)];
+  return ok_status();
+}
+
 bool SequenceSlots::valid(int32_t slot) const {
   return slot >= 0 && size_t(slot) < tokens_.size() && tokens_[size_t(slot)] >= 0;
 }

@@ -28,6 +28,9 @@ class SequenceSlots {
   Status release(int32_t slot);
 
   bool valid(int32_t slot) const;  // in range and in use
+  // Checks a state copy from `src` to `dst` (both in use, distinct, src not poisoned) and gives
+  // dst the tokens src has seen; the caller copies the state buffers.
+  Status copy(int32_t src, int32_t dst);
   int64_t tokens(int32_t slot) const { return tokens_[size_t(slot)]; }
   void set_tokens(int32_t slot, int64_t tokens) { tokens_[size_t(slot)] = tokens; }
   // A forward that failed part-way may have updated a slot's state: it must be freed.

@@ -96,6 +96,52 @@ TEST_F(GenerateBatch, EveryLineGetsWhatItGetsAloneInInputOrder) {
   }
 }
 
+// A line with "n": 3 gets an "outputs" array in index order, completion i what the line gets
+// alone with seed + i; a line without n keeps the flat shape; n out of range names the field.
+TEST_F(GenerateBatch, NCompletionsOfALineComeInOutputs) {
+  const std::vector<int32_t> ids = {30, 31, 32, 33, 34, 35, 36, 37, 38, 39,
+                                    40, 41, 42, 43, 44, 45, 46, 47, 48};
+  json a = {{"token_ids", ids}, {"id", "a"},   {"n", 3},       {"temperature", 0.9},
+            {"seed", 50},       {"top_k", 30}, {"logprobs", 1}};
+  json b = {{"token_ids", ids}, {"id", "b"}};
+  const fs::path in = tmp_.path() / "prompts.jsonl";
+  const fs::path out = tmp_.path() / "out.jsonl";
+  write_text(in, a.dump() + "\n" + b.dump() + "\n");
+  RunResult r = run_cli(tmp_.path(), {"generate", model_.string(), "--prompts", in.string(),
+                                      "--out", out.string(), "--max-tokens", "7", "--ignore-eos"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string text = read_text(out);
+  const json first = json::parse(text.substr(0, text.find('\n')));
+  const json second = json::parse(text.substr(text.find('\n') + 1));
+  EXPECT_EQ(first["id"], "a");
+  EXPECT_FALSE(first.contains("output_ids"));
+  ASSERT_EQ(first["outputs"].size(), 3u);
+  size_t completion_tokens = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    const json& o = first["outputs"][i];
+    EXPECT_EQ(o["index"], i);
+    const json want = alone(ids, {"--ignore-eos", "--max-tokens", "7", "--temperature", "0.9",
+                                  "--seed", std::to_string(50 + i), "--top-k", "30"});
+    EXPECT_EQ(o["output_ids"], want["output_ids"]);
+    EXPECT_EQ(o["text"], want["text"]);
+    EXPECT_EQ(o["finish_reason"], "length");
+    EXPECT_EQ(o["logprobs"].size(), 7u);
+    completion_tokens += o["output_ids"].size();
+  }
+  EXPECT_NE(first["outputs"][0]["output_ids"], first["outputs"][1]["output_ids"]);
+  EXPECT_EQ(first["usage"]["completion_tokens"], completion_tokens);
+  EXPECT_EQ(first["usage"]["total_tokens"], ids.size() + completion_tokens);
+  EXPECT_FALSE(second.contains("outputs"));
+  EXPECT_EQ(second["output_ids"], alone(ids, {"--ignore-eos", "--max-tokens", "7"})["output_ids"]);
+
+  write_text(in, json({{"token_ids", ids}, {"n", 0}}).dump() + "\n");
+  r = run_cli(tmp_.path(), {"generate", model_.string(), "--prompts", in.string(), "--out",
+                            out.string(), "--force"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("\"n\" must be an integer from 1 to 64"), std::string::npos) << r.err;
+}
+
 // A line's stop string ends it where the text alone holds it (the text before it is returned,
 // the stop string not); logprobs come per output token.
 TEST_F(GenerateBatch, StopStringsAndLogprobsPerLine) {

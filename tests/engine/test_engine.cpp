@@ -10,6 +10,8 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -218,6 +220,79 @@ TEST_P(EngineTest, BadRequestsAreRefusedAtAdmission) {
   params.sampling.temperature = -1;
   EXPECT_FALSE(engine.add_request({1}, params).ok());
   EXPECT_FALSE(engine.has_unfinished());
+}
+
+// Qwen4Exp's image and video placeholders need the vision tower e4kv does not run: a prompt with
+// one is refused at admission, and a request that samples one ends with an error at that token,
+// while the request batched with it runs on as it does alone.
+TEST(EngineInputTokens, MediaPlaceholdersNeverReachAForwardThatRunsOthers) {
+  TempDir tmp;
+  SynthCheckpointOptions options;
+  options.family = SynthFamily::kQwen4Exp;
+  options.n_layers = 4;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path(), options).ok());
+  auto backend = make_cpu_backend({2});
+  ModelOptions model_options;
+  model_options.block_size = 16;
+  model_options.n_blocks = 16;
+  model_options.max_model_len = 128;
+  model_options.max_seqs = 4;
+  auto run = [&](const std::vector<std::vector<int32_t>>& prompts) {
+    Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
+    EXPECT_TRUE(ckpt.ok()) << ckpt.message();
+    auto model = load_model(*ckpt, *backend, model_options);
+    EXPECT_TRUE(model.ok()) << model.message();
+    Engine engine(**model, {});
+    RequestParams params;
+    params.max_tokens = 6;
+    std::vector<std::vector<int32_t>> tokens(prompts.size());
+    std::vector<std::string> reasons(prompts.size()), errors(prompts.size());
+    for (const auto& p : prompts) EXPECT_TRUE(engine.add_request(p, params).ok());
+    while (engine.has_unfinished()) {
+      auto updates = engine.step();
+      EXPECT_TRUE(updates.ok()) << updates.message();
+      if (!updates.ok()) break;
+      for (const RequestUpdate& u : *updates) {
+        auto& t = tokens[size_t(u.id)];
+        t.insert(t.end(), u.new_tokens.begin(), u.new_tokens.end());
+        if (u.finished) {
+          reasons[size_t(u.id)] = u.finish_reason;
+          errors[size_t(u.id)] = u.error;
+        }
+      }
+    }
+    return std::make_tuple(tokens, reasons, errors);
+  };
+  const std::vector<int32_t> a = {5, 6, 7, 8}, b = {9, 10, 11};
+  const auto [alone, alone_reasons, alone_errors] = run({a, b});
+  ASSERT_EQ(alone[0].size(), 6u);
+  // The second token request a samples becomes an image placeholder (b must not sample it).
+  const int32_t placeholder = alone[0][1];
+  ASSERT_EQ(std::count(alone[1].begin(), alone[1].end(), placeholder), 0)
+      << "pick other prompts: both requests sample the placeholder";
+  ASSERT_EQ(std::count(a.begin(), a.end(), placeholder) + std::count(b.begin(), b.end(), placeholder), 0);
+  std::string config = testing_support::read_text(tmp.path() / "config.json");
+  const size_t brace = config.find('{');
+  config.insert(brace + 1, "\"image_token_id\": " + std::to_string(placeholder) + ", ");
+  testing_support::write_text(tmp.path() / "config.json", config);
+
+  const auto [tokens, reasons, errors] = run({a, b});
+  EXPECT_EQ(reasons[0], "error");
+  EXPECT_NE(errors[0].find("image or video placeholder"), std::string::npos) << errors[0];
+  EXPECT_EQ(tokens[0], std::vector<int32_t>(alone[0].begin(), alone[0].begin() + 2));
+  EXPECT_EQ(reasons[1], "length");
+  EXPECT_EQ(tokens[1], alone[1]);
+
+  Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
+  ASSERT_TRUE(ckpt.ok());
+  auto model = load_model(*ckpt, *backend, model_options);
+  ASSERT_TRUE(model.ok());
+  Engine engine(**model, {});
+  const Result<RequestId> refused = engine.add_request({5, placeholder, 7}, RequestParams{});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("prompt token 1: id " + std::to_string(placeholder)),
+            std::string::npos)
+      << refused.message();
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, EngineTest,

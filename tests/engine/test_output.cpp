@@ -200,11 +200,12 @@ TEST_F(Output, AbortAndErrorsAndUnknownRequests) {
   out.add_request(1, params);
   out.add_request(2, params);
   feed(out, 1, byte_ids("abx"));
-  std::optional<RequestOutput> aborted = out.abort(1, nullptr);
-  ASSERT_TRUE(aborted.has_value());
-  EXPECT_EQ(aborted->finish_reason, "abort");
-  EXPECT_TRUE(aborted->new_text.empty());  // the held "x" is dropped with the request
-  EXPECT_FALSE(out.abort(1, nullptr).has_value());
+  std::vector<RequestOutput> aborted = out.abort(1, nullptr);
+  ASSERT_EQ(aborted.size(), 1u);
+  EXPECT_EQ(aborted[0].finish_reason, "abort");
+  EXPECT_TRUE(aborted[0].request_finished);
+  EXPECT_TRUE(aborted[0].new_text.empty());  // the held "x" is dropped with the request
+  EXPECT_TRUE(out.abort(1, nullptr).empty());
   // An error finishes with its message, the held text released.
   RequestUpdate u;
   u.id = 2;

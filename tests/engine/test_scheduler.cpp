@@ -144,6 +144,92 @@ TEST(Scheduler, PreemptsTheYoungestAndItResumesWhereItWas) {
   EXPECT_TRUE(p.chunks[0].samples);
 }
 
+// A fork shares every block; the first writer into the shared partly filled last block gets a
+// copy (a BlockCopy in the plan), the last one writes in place; a fork without a free slot waits
+// with nothing computed; removing everything returns every block.
+TEST(Scheduler, ForksShareBlocksAndCopyTheLastOnWrite) {
+  SchedulerConfig c = small_config();
+  c.max_num_seqs = 3;
+  c.n_state_slots = 3;
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, prompt_of(20, 1), 40).ok());
+  StepPlan p = s.schedule();
+  ASSERT_EQ(p.chunks.size(), 1u);
+  ASSERT_TRUE(p.chunks[0].samples);
+  EXPECT_EQ(s.n_used_blocks(), 2);
+  const std::vector<SequenceId> children{2, 3, 4};
+  const std::vector<int32_t> tokens{7, 8, 9};
+  s.fork(1, children, tokens);
+  s.append_token(1, 6);
+  EXPECT_EQ(s.n_running(), 3);  // 1, 2, 3; the sequence limit sends 4 to wait
+  EXPECT_EQ(s.n_waiting(), 1);
+  EXPECT_EQ(s.n_used_blocks(), 2);  // nothing allocated by the fork
+  const Sequence* two = s.find(2);
+  EXPECT_EQ(two->n_computed, 20);
+  EXPECT_EQ(two->table.blocks, s.find(1)->table.blocks);
+  EXPECT_EQ(two->tokens.back(), 7);
+  EXPECT_EQ(two->tokens.size(), 21u);
+  EXPECT_NE(two->state_slot, s.find(1)->state_slot);
+  EXPECT_EQ(s.find(4)->n_computed, 0);
+  EXPECT_TRUE(s.find(4)->table.blocks.empty());
+  const int32_t shared = s.find(1)->table.blocks[1];
+
+  p = s.schedule();
+  ASSERT_EQ(p.chunks.size(), 3u);  // three decode rows; 4 still waits (no slot)
+  for (const ScheduledChunk& chunk : p.chunks) {
+    EXPECT_EQ(chunk.n_tokens, 1);
+    EXPECT_FALSE(chunk.fresh_state);
+  }
+  // 1 and 2 copy the shared block; 3, its last holder, writes into it.
+  ASSERT_EQ(p.block_copies.size(), 2u);
+  EXPECT_EQ(p.block_copies[0].src, shared);
+  EXPECT_EQ(p.block_copies[1].src, shared);
+  EXPECT_EQ(s.find(1)->table.blocks[1], p.block_copies[0].dst);
+  EXPECT_EQ(s.find(2)->table.blocks[1], p.block_copies[1].dst);
+  EXPECT_EQ(s.find(3)->table.blocks[1], shared);
+  EXPECT_EQ(s.find(1)->table.blocks[0], s.find(3)->table.blocks[0]);  // the full block stays shared
+  EXPECT_EQ(s.n_used_blocks(), 4);
+
+  // Sequence 4 is admitted when a slot frees and recomputes its 21 tokens.
+  ASSERT_TRUE(s.remove(3));
+  for (SequenceId id : {1, 2}) s.append_token(id, 5);
+  p = s.schedule();
+  ASSERT_EQ(p.chunks.size(), 3u);
+  EXPECT_EQ(p.chunks[2].id, 4);
+  EXPECT_EQ(p.chunks[2].start, 0);
+  EXPECT_EQ(p.chunks[2].n_tokens, 21);
+  EXPECT_TRUE(p.chunks[2].fresh_state);
+  EXPECT_TRUE(p.block_copies.empty());
+  for (SequenceId id : {1, 2, 4}) ASSERT_TRUE(s.remove(id));
+  EXPECT_EQ(s.n_used_blocks(), 0);
+  EXPECT_EQ(s.n_free_slots(), 3);
+}
+
+// A sequence that shares its partly filled last block with the youngest: preempting that one
+// drops the copy on write from the need, so the older sequence runs in the pool's last block.
+TEST(Scheduler, PreemptingASharerRemovesTheCopyFromTheNeed) {
+  SchedulerConfig c = small_config();
+  c.n_blocks = 3;
+  c.max_model_len = 48;
+  Scheduler s(c);
+  ASSERT_TRUE(s.add(1, prompt_of(20, 1), 40).ok());
+  ASSERT_TRUE(s.add(2, prompt_of(10, 2), 12).ok());
+  StepPlan p = s.schedule();  // 2 + 1 blocks: the pool is full
+  ASSERT_EQ(p.chunks.size(), 2u);
+  EXPECT_EQ(s.n_free_blocks(), 0);
+  s.append_token(2, 4);
+  const std::vector<SequenceId> child{3};
+  const std::vector<int32_t> token{7};
+  s.fork(1, child, token);
+  s.append_token(1, 6);
+  // 1 needs a copy of its shared block and there is none free: 3 (the youngest) is preempted,
+  // after which 1 writes into the block in place: 2 is not preempted.
+  p = s.schedule();
+  EXPECT_EQ(p.preempted, std::vector<SequenceId>{3});
+  ASSERT_EQ(p.chunks.size(), 2u);
+  EXPECT_TRUE(p.block_copies.empty());
+}
+
 // Randomized arrivals, lengths and aborts over a pool small enough to preempt: every request
 // finishes or is aborted exactly once with the tokens it gets alone, the limits hold in every step,
 // and the pools are whole again at the end.

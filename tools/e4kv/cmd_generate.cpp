@@ -232,10 +232,14 @@ void add_generate_command(CLI::App& app, Status& result) {
       cat("Batch mode: JSON lines of {\"text\"}, {\"token_ids\"} or {\"messages\"}, each with "
           "its own sampling fields (", kBatchFieldsHelp, "; the flags are the defaults); all "
           "submitted at once and continuously batched"));
-  cmd->add_option("--out", args->out,
-                  "Batch mode: JSON lines written here, one per prompt in input order: "
-                  "{\"id\", \"output_ids\", \"text\", \"finish_reason\", \"stop_reason\", \"usage\", "
-                  "\"logprobs\", \"prompt_logprobs\"}");
+  cmd->add_option(
+      "--out", args->out,
+      "Batch mode: JSON lines written here, one per prompt in input order: "
+      "{\"id\", \"output_ids\", \"text\", \"finish_reason\", \"stop_reason\", \"usage\", "
+      "\"logprobs\", \"prompt_logprobs\"}; a line with \"n\" > 1 (completions of one "
+      "prompt, prefilled once) has {\"id\", \"outputs\": [{\"index\", \"output_ids\", "
+      "\"text\", \"finish_reason\", \"stop_reason\", \"logprobs\"}], \"usage\", "
+      "\"prompt_logprobs\"} instead");
   cmd->add_flag("--force", args->force, "Batch mode: replace an existing --out file");
   cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
                 kSpecialTokensInContentHelp);

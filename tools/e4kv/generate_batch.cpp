@@ -70,6 +70,8 @@ Status apply_fields(const json& fields, const std::string& where, RequestParams&
     Status st = ok_status();
     if (key == "id") {
       id = value;
+    } else if (key == "n") {
+      st = integer(params.n, 1, kMaxCompletions);
     } else if (key == "max_tokens") {
       st = integer(params.max_tokens, 0, kInt32Max);
     } else if (key == "min_tokens") {
@@ -217,15 +219,18 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     requests.push_back(std::move(r));
   }
 
-  // Without a pool flag, a pool for the 64 largest requests at once (the default sequence limit):
-  // none is preempted unless a flag sizes the pool smaller.
+  // Without a pool flag, a pool for the 64 largest sequences at once (the default sequence limit;
+  // each completion of a request is a sequence): none is preempted unless a flag sizes the pool
+  // smaller.
   int64_t largest = 1;
+  int64_t n_sequences = 0;
   for (const BatchRequest& r : requests) {
     largest = std::max(largest, saturating_add(int64_t(r.prompt.size()), r.params.max_tokens));
+    n_sequences += r.params.n;
   }
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
                         load_model(args.model, largest, /*all_rows=*/0,
-                                   /*n_seqs=*/std::min<int64_t>(64, int64_t(requests.size()))));
+                                   /*n_seqs=*/std::min<int64_t>(64, n_sequences)));
   Engine engine(*loaded.model, {});
   const Tokenizer* tokenizer = nullptr;
   if (Result<const Tokenizer*> tok = source.tokenizer(); tok.ok()) tokenizer = *tok;
@@ -248,14 +253,21 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     index[*id] = i;
   }
 
-  struct Result_ {
+  struct Completion_ {
     std::vector<int32_t> ids;
     std::string text;
     std::string finish_reason;
     json stop_reason;  // the stop string or token id that ended it (vLLM's stop_reason)
-    std::vector<TokenLogprobs> logprobs, prompt_logprobs;
+    std::vector<TokenLogprobs> logprobs;
+  };
+  struct Result_ {
+    std::vector<Completion_> completions;  // [n]
+    std::vector<TokenLogprobs> prompt_logprobs;
   };
   std::vector<Result_> results(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    results[i].completions.resize(size_t(requests[i].params.n));
+  }
   const bool show = args.progress && isatty(fileno(stderr)) != 0;
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] {
@@ -273,12 +285,13 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
     }
     for (const RequestOutput& o : outputs) {
       const size_t i = index.at(o.id);
-      Result_& r = results[i];
+      Result_& req = results[i];
+      Completion_& r = req.completions.at(size_t(o.index));
       r.ids.insert(r.ids.end(), o.new_tokens.begin(), o.new_tokens.end());
       r.text += o.new_text;
       r.logprobs.insert(r.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
-      r.prompt_logprobs.insert(r.prompt_logprobs.end(), o.prompt_logprobs.begin(),
-                               o.prompt_logprobs.end());
+      req.prompt_logprobs.insert(req.prompt_logprobs.end(), o.prompt_logprobs.begin(),
+                                 o.prompt_logprobs.end());
       generated += int64_t(o.new_tokens.size());
       if (!o.finished) continue;
       if (o.finish_reason == "error") {
@@ -290,7 +303,7 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
       } else if (o.stop_token >= 0) {
         r.stop_reason = o.stop_token;
       }
-      ++done;
+      if (o.request_finished) ++done;
     }
     if (show) {
       const double s = elapsed();
@@ -306,21 +319,40 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
   std::string text;
   int64_t prompt_tokens = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
-    const Result_& r = results[i];
+    const Result_& req = results[i];
     json line;
     if (!requests[i].id.is_null()) line["id"] = requests[i].id;
-    line["output_ids"] = r.ids;
-    line["text"] = processor ? json(r.text) : json(nullptr);
-    line["finish_reason"] = r.finish_reason;
-    line["stop_reason"] = r.stop_reason;
+    // One completion's fields; n = 1 puts them on the line itself (the shape before n existed).
+    auto put_completion = [&](const Completion_& r, json& into) {
+      into["output_ids"] = r.ids;
+      into["text"] = processor ? json(r.text) : json(nullptr);
+      into["finish_reason"] = r.finish_reason;
+      into["stop_reason"] = r.stop_reason;
+      if (requests[i].params.logprobs >= 0) {
+        into["logprobs"] = logprobs_json(r.logprobs, tokenizer);
+      }
+    };
+    int64_t completion_tokens = 0;
+    for (const Completion_& r : req.completions) completion_tokens += int64_t(r.ids.size());
+    if (req.completions.size() == 1) {
+      put_completion(req.completions[0], line);
+    } else {
+      json outputs = json::array();
+      for (size_t k = 0; k < req.completions.size(); ++k) {
+        json output;
+        output["index"] = k;
+        put_completion(req.completions[k], output);
+        outputs.push_back(std::move(output));
+      }
+      line["outputs"] = std::move(outputs);
+    }
     const int64_t n_prompt = int64_t(requests[i].prompt.size());
     prompt_tokens += n_prompt;
     line["usage"] = {{"prompt_tokens", n_prompt},
-                     {"completion_tokens", r.ids.size()},
-                     {"total_tokens", n_prompt + int64_t(r.ids.size())}};
-    if (requests[i].params.logprobs >= 0) line["logprobs"] = logprobs_json(r.logprobs, tokenizer);
+                     {"completion_tokens", completion_tokens},
+                     {"total_tokens", n_prompt + completion_tokens}};
     if (requests[i].params.prompt_logprobs >= 0) {
-      line["prompt_logprobs"] = logprobs_json(r.prompt_logprobs, tokenizer);
+      line["prompt_logprobs"] = logprobs_json(req.prompt_logprobs, tokenizer);
     }
     text += line.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
   }

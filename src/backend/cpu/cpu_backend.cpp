@@ -101,6 +101,16 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes) override {
     if (bytes > 0) std::memset(dst, 0, bytes);
   }
+  Status copy_blocks(void* pool, int64_t n_blocks, size_t block_bytes,
+                     std::span<const BlockCopy> copies) override {
+    E4KV_RETURN_IF_ERROR(validate_block_copies(n_blocks, copies));
+    auto* base = static_cast<std::byte*>(pool);
+    for (const BlockCopy& c : copies) {
+      std::memcpy(base + size_t(c.dst) * block_bytes, base + size_t(c.src) * block_bytes,
+                  block_bytes);
+    }
+    return ok_status();
+  }
   void synchronize() override {}
 
   Result<BackendBuffer> upload_weight(const SafetensorsTensor& tensor) override {

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cuda/block_copy.cuh"
 #include "backend/cuda/cache_write.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
@@ -130,6 +131,12 @@ class CudaBackend final : public Backend, public StepProfiler {
   void fill_zero(void* dst, size_t bytes) override {
     if (bytes == 0) return;
     E4KV_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_));
+  }
+  Status copy_blocks(void* pool, int64_t n_blocks, size_t block_bytes,
+                     std::span<const BlockCopy> copies) override {
+    E4KV_RETURN_IF_ERROR(validate_block_copies(n_blocks, copies));
+    cuda::copy_blocks(pool, block_bytes, copies, stream_);
+    return ok_status();
   }
   void synchronize() override { E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 

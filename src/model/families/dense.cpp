@@ -241,6 +241,16 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   return model;
 }
 
+Status DenseModel::copy_blocks(std::span<const BlockCopy> copies) {
+  if (copies.empty()) return ok_status();
+  for (size_t layer = 0; layer < caches_.size(); ++layer) {
+    const KvCacheView cache = cache_view(layer);
+    E4KV_RETURN_IF_ERROR(core_.backend->copy_blocks(cache.data, cache.geometry.n_blocks,
+                                                    cache.geometry.block_bytes(), copies));
+  }
+  return ok_status();
+}
+
 KvCacheView DenseModel::cache_view(size_t layer) const {
   return core_.kv_cache_view(layer < caches_.size() ? caches_[layer].data() : nullptr, layer);
 }

@@ -70,6 +70,10 @@ class DenseModel final : public Model {
   Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
   Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }
   Status free_sequence(int32_t slot) override { return core_.slots.release(slot); }
+  Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) override {
+    return core_.slots.copy(src_slot, dst_slot);
+  }
+  Status copy_blocks(std::span<const BlockCopy> copies) override;
 
   Status start_kv_statistics() override { return core_.start_kv_statistics(); }
   Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }

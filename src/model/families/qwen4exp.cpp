@@ -315,6 +315,41 @@ Status Qwen4ExpModel::free_sequence(int32_t slot) {
   return core_.slots.release(slot);
 }
 
+Status Qwen4ExpModel::copy_sequence_state(int32_t src_slot, int32_t dst_slot) {
+  E4KV_RETURN_IF_ERROR(core_.slots.copy(src_slot, dst_slot));
+  Backend& b = *core_.backend;
+  const BlockCopy copy[1] = {{src_slot, dst_slot}};
+  const int64_t n_slots = core_.limits.max_seqs;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    LayerMemory& mem = memory_[i];
+    if (layers_[i].qsa) {
+      const size_t ring_bytes = size_t(qsa_shape_.ratio * qsa_shape_.index_dim) * 2;
+      E4KV_RETURN_IF_ERROR(b.copy_blocks(mem.rings.data(), n_slots, ring_bytes, copy));
+    }
+    if (mem.delta_net) {
+      E4KV_RETURN_IF_ERROR(mem.delta_net->copy(b, delta_net_shape_, src_slot, dst_slot, n_slots));
+    }
+    if (mem.ple) E4KV_RETURN_IF_ERROR(mem.ple->copy(b, ple_shape_, src_slot, dst_slot, n_slots));
+  }
+  return ok_status();
+}
+
+Status Qwen4ExpModel::copy_blocks(std::span<const BlockCopy> copies) {
+  if (copies.empty()) return ok_status();
+  Backend& b = *core_.backend;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].qsa) continue;
+    const QsaLayerCache cache = qsa_cache(i);
+    E4KV_RETURN_IF_ERROR(b.copy_blocks(cache.kv.data, cache.kv.geometry.n_blocks,
+                                       cache.kv.geometry.block_bytes(), copies));
+    const size_t compressed_block_bytes =
+        size_t(cache.compressed.rows_per_block() * cache.compressed.index_dim) * 2;
+    E4KV_RETURN_IF_ERROR(b.copy_blocks(cache.compressed.data, cache.compressed.n_blocks,
+                                       compressed_block_bytes, copies));
+  }
+  return ok_status();
+}
+
 Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
   Workspace& ws = *ws_;
@@ -398,6 +433,14 @@ Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
   step.commit_sequences(core_.slots);
   E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
   return logits;
+}
+
+std::string Qwen4ExpModel::input_token_problem(int32_t id) const {
+  const std::vector<int64_t>& media = core_.config.qwen4exp->media_token_ids;
+  if (std::find(media.begin(), media.end(), int64_t(id)) == media.end()) return {};
+  return cat("id ", id,
+             " is an image or video placeholder; e4kv runs the text model of Qwen4Exp only (the "
+             "vision tower is not loaded): give text input");
 }
 
 }  // namespace e4kv

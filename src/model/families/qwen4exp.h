@@ -63,10 +63,13 @@ class Qwen4ExpModel final : public Model {
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
+  Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) override;
+  Status copy_blocks(std::span<const BlockCopy> copies) override;
 
   // Tensors of the checkpoint the text model does not run (vision tower, MTP head), skipped.
   int64_t skipped_tensors() const { return skipped_tensors_; }
   std::vector<std::string> load_notes() const override;
+  std::string input_token_problem(int32_t id) const override;
 
   Status start_kv_statistics() override { return core_.start_kv_statistics(); }
   Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }

@@ -41,6 +41,15 @@ void DeltaNetState::reset(Backend& backend, const DeltaNetShape& shape, int32_t 
   backend.fill_zero(recurrent.as<std::byte>() + size_t(slot) * rec_bytes, rec_bytes);
 }
 
+Status DeltaNetState::copy(Backend& backend, const DeltaNetShape& shape, int32_t src, int32_t dst,
+                           int64_t n_slots) {
+  const BlockCopy pair[1] = {{src, dst}};
+  const size_t conv_bytes = size_t(shape.conv_state_elems()) * backend.act_size();
+  const size_t rec_bytes = size_t(shape.recurrent_state_elems()) * 4;
+  E4KV_RETURN_IF_ERROR(backend.copy_blocks(conv.data(), n_slots, conv_bytes, pair));
+  return backend.copy_blocks(recurrent.data(), n_slots, rec_bytes, pair);
+}
+
 Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::string& p,
                                           const DeltaNetShape& shape) {
   DeltaNetMixer m;

@@ -54,6 +54,9 @@ struct DeltaNetState {
                                       int64_t n_slots);
   // Zeroes the state of `slot` (a new sequence).
   void reset(Backend& backend, const DeltaNetShape& shape, int32_t slot);
+  // Slot `dst` becomes a copy of slot `src` (a forked sequence); slots in [0, n_slots).
+  Status copy(Backend& backend, const DeltaNetShape& shape, int32_t src, int32_t dst,
+              int64_t n_slots);
 };
 
 class DeltaNetMixer {

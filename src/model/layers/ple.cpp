@@ -34,6 +34,15 @@ void PleState::reset(Backend& backend, const PleShape& shape, int32_t slot, int6
   history[size_t(slot)] = ple_history_init(ngram_size, eos);
 }
 
+Status PleState::copy(Backend& backend, const PleShape& shape, int32_t src, int32_t dst,
+                      int64_t n_slots) {
+  const BlockCopy pair[1] = {{src, dst}};
+  const size_t bytes = size_t(shape.conv_state_elems()) * backend.act_size();
+  E4KV_RETURN_IF_ERROR(backend.copy_blocks(conv.data(), n_slots, bytes, pair));
+  history[size_t(dst)] = history[size_t(src)];
+  return ok_status();
+}
+
 Result<PleBlock> PleBlock::load(const Checkpoint& ckpt, WeightLoader& weights, const std::string& p,
                                 const PleShape& shape, const Qwen4ExpConfig& config,
                                 int64_t vocab_size, int64_t ple_index) {

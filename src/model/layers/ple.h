@@ -54,6 +54,8 @@ struct PleState {
 
   void reset(Backend& backend, const PleShape& shape, int32_t slot, int64_t ngram_size,
              int64_t eos);
+  // Slot `dst` becomes a copy of slot `src` (a forked sequence); slots in [0, n_slots).
+  Status copy(Backend& backend, const PleShape& shape, int32_t src, int32_t dst, int64_t n_slots);
 };
 
 class PleBlock {
