@@ -252,6 +252,15 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   E4KV_ASSIGN_OR_RETURN(ws.xs, backend.allocate(logit_rows * size_t(hidden) * act));
   E4KV_ASSIGN_OR_RETURN(ws.logits, backend.allocate(logit_rows * size_t(vocab) * 4));
   E4KV_ASSIGN_OR_RETURN(ws.non_finite, backend.allocate(2 * sizeof(unsigned long long)));
+  // Every layer attends with one shape: its launches are planned once per step.
+  AttentionLayerShape shape;
+  shape.head_dim = geometry.head_dim;
+  shape.block_size = geometry.block_size;
+  shape.dtype = geometry.dtype;
+  shape.n_heads = config.n_heads;
+  shape.n_kv_heads = config.n_kv_heads;
+  E4KV_RETURN_IF_ERROR(backend.reserve_attention(std::span(&shape, 1), limits.max_batch_tokens,
+                                                 limits.max_seq_tokens));
   return model;
 }
 
@@ -278,18 +287,18 @@ ModelMemory DenseModel::memory() const {
   return memory;
 }
 
-Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
+Status DenseModel::prepare(const ForwardBatch& batch) {
+  backend_->profile_mark("step_context");
+  return ws_->step.build(batch, &rope_, config_.vocab_size, options_.block_size, options_.n_blocks);
+}
+
+Status DenseModel::run_layers(const ForwardBatch& batch) {
   Backend& b = *backend_;
   Workspace& ws = *ws_;
-  const ModelConfig& c = config_;
-  b.profile_mark("step_context");
-  E4KV_RETURN_IF_ERROR(
-      ws.step.build(batch, &rope_, c.vocab_size, options_.block_size, options_.n_blocks));
   const StepContext& step = ws.step;
   const int64_t n = step.n_rows();
-  const int64_t m = step.n_logits();
-  const int64_t hidden = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int64_t hidden = config_.hidden_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
   unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
   b.fill_zero(non_finite, 2 * sizeof(unsigned long long));
 
@@ -314,6 +323,20 @@ Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
   }
+  return ok_status();
+}
+
+Result<std::vector<float>> DenseModel::forward(const ForwardBatch& batch) {
+  Backend& b = *backend_;
+  Workspace& ws = *ws_;
+  const ModelConfig& c = config_;
+  E4KV_RETURN_IF_ERROR(prepare(batch));
+  E4KV_RETURN_IF_ERROR(run_layers(batch));
+  const StepContext& step = ws.step;
+  const int64_t m = step.n_logits();
+  const int64_t hidden = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  unsigned long long* non_finite = ws.non_finite.as<unsigned long long>();
 
   // ---- logits of the rows asked ----
   std::vector<float> logits(static_cast<size_t>(m * c.vocab_size));

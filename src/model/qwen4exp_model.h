@@ -63,6 +63,13 @@ class Qwen4ExpModel final : public Model {
   Backend& backend() const override { return *backend_; }
 
   Result<std::vector<float>> forward(const ForwardBatch& batch) override;
+  // The two halves of forward (DESIGN.md section 11), public for CUDA graphs of the decode step:
+  // prepare() checks the batch and builds, plans and uploads everything the step's ops read;
+  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
+  // data), so it can be captured once and replayed after each prepare() of a batch of the same
+  // shape. forward() is prepare(), run_layers() and the logits of the rows asked.
+  Status prepare(const ForwardBatch& batch);
+  Status run_layers(const ForwardBatch& batch);
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
@@ -105,7 +112,6 @@ class Qwen4ExpModel final : public Model {
 
   Qwen4ExpModel();
   QsaLayerCache qsa_cache(size_t layer) const;
-  Status run_layers(const ForwardBatch& batch);
 
   ModelConfig config_;
   ModelOptions options_;

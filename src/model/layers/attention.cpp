@@ -99,7 +99,7 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   params.n_heads = s.n_heads;
   params.q = ws.q16.as<uint16_t>();
   params.out = ws.attn.as<float>();
-  E4KV_RETURN_IF_ERROR(b.paged_attention(params, ctx.host_rows()));
+  E4KV_RETURN_IF_ERROR(b.paged_attention(params));
   const void* attn_in = ws.attn.data();
   if (act != DType::kF32) {
     E4KV_RETURN_IF_ERROR(

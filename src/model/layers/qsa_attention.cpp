@@ -163,9 +163,7 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   params.q = ws.q16.as<uint16_t>();
   params.gate = ws.gate16.as<uint16_t>();
   params.out = ws.attn.as<float>();
-  QueryBatchView host_rows = ctx.host_rows();
-  host_rows.sel_width = s.sel_width();
-  E4KV_RETURN_IF_ERROR(b.paged_attention(params, host_rows));
+  E4KV_RETURN_IF_ERROR(b.paged_attention(params));
   const void* attn_in = ws.attn.data();
   if (act != DType::kF32) {
     E4KV_RETURN_IF_ERROR(
