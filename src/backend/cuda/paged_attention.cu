@@ -110,6 +110,8 @@ Status PagedAttentionRunner::reserve(std::span<const AttentionLayerShape> shapes
 }
 
 Status PagedAttentionRunner::plan(const QueryBatchView& host_rows, cudaStream_t stream) {
+  planned_rows_ = -1;
+  if (shapes_.empty()) return ok_status();  // a model without attention layers
   if (host_rows.n_rows > max_rows_) {
     return Status::error(
         cat("attention: ", host_rows.n_rows, " rows; the plan buffers were sized for ", max_rows_));
