@@ -137,6 +137,9 @@ uint64_t PagedAttentionRunner::plan_signature() const {
   uint64_t hash = 1469598103934665603ull;  // FNV-1a over the values, one at a time
   auto mix = [&](int64_t value) { hash = (hash ^ uint64_t(value)) * 1099511628211ull; };
   mix(planned_rows_);
+  // A reserve() moves the buffers a graph's launches point into.
+  mix(int64_t(reinterpret_cast<intptr_t>(d_items_)));
+  mix(int64_t(reinterpret_cast<intptr_t>(d_workspace_)));
   for (const ShapePlan& plan : shapes_) {
     mix(int64_t(plan.step.prefill_items.size()));
     mix(plan.first_item);
@@ -220,6 +223,9 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params,
     const AttentionLayerShape one[] = {shape};
     E4KV_RETURN_IF_ERROR(reserve(one, host_rows.n_rows, max_keys, stream));
   }
+  // The staging may still feed the previous call's copy: calls on their own do not promise the
+  // step's synchronisation between plans.
+  E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
   E4KV_RETURN_IF_ERROR(plan(host_rows, stream));
   return run(params, stream);
 }

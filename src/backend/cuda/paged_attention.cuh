@@ -58,8 +58,9 @@ class PagedAttentionRunner {
              cudaStream_t stream);
 
   // A hash of every launch parameter of the step's plans (prefill item counts, decode runs and
-  // their splits): a CUDA graph of a step replays correctly after the plan() of another step only
-  // where the two hashes are equal, since the launches hold the values they were captured with.
+  // their splits, the buffers' addresses): a CUDA graph of a step replays correctly after the
+  // plan() of another step only where the two hashes are equal, since the launches hold the values
+  // they were captured with (a reserve() for another model moves the buffers).
   uint64_t plan_signature() const;
 
   // The route plan of the last run(), for tests and logs.
