@@ -93,6 +93,91 @@ std::vector<PrefillAttentionItem> plan_prefill_items(std::span<const RouteTile> 
   return items;
 }
 
+namespace {
+
+size_t decode_run_floats(const AttentionLayerShape& shape, int64_t n_rows,
+                         const DecodeAttentionPlan& plan) {
+  return plan.merge_in_cluster ? 0
+                               : decode_attention_workspace_floats(n_rows, plan.n_splits,
+                                                                   shape.n_heads, shape.head_dim);
+}
+
+}  // namespace
+
+Result<AttentionStepPlan> plan_attention_step(std::span<const AttentionRouteLimits> routes,
+                                              const AttentionLayerShape& shape,
+                                              const QueryBatchView& rows,
+                                              const DecodeDeviceLimits& device) {
+  if (shape.n_kv_heads <= 0 || shape.n_heads % shape.n_kv_heads != 0) {
+    return Status::error(cat("attention: ", shape.n_heads, " query heads are not a multiple of ",
+                             shape.n_kv_heads, " KV heads"));
+  }
+  AttentionStepPlan step;
+  E4KV_ASSIGN_OR_RETURN(step.routes, plan_attention_routes(routes, shape.route_shape(), rows));
+  std::vector<RouteTile> prefill_tiles;
+  std::vector<RouteTile> decode_tiles;
+  for (const RouteLaunch& launch : step.routes.launches) {
+    auto first = step.routes.tiles.begin() + launch.first_tile;
+    auto& dst = routes[size_t(launch.route)].kernel == AttentionKernel::kPrefillTiles
+                    ? prefill_tiles
+                    : decode_tiles;
+    dst.insert(dst.end(), first, first + launch.n_tiles);
+  }
+  step.prefill_items = plan_prefill_items(prefill_tiles, shape.gqa_group());
+
+  // Decode: runs of consecutive rows (the kernel takes a contiguous row range).
+  std::sort(decode_tiles.begin(), decode_tiles.end(),
+            [](const RouteTile& a, const RouteTile& b) { return a.first_row < b.first_row; });
+  auto row_keys = [&](int64_t r) {
+    return shape.qsa() ? shape.sel_width : int64_t(rows.row_pos[r]) + 1;
+  };
+  auto plan_run = [&](int64_t first, int64_t n) {
+    DecodeRowRun run{first, n, 1, {}};
+    for (int64_t r = first; r < first + n; ++r) run.max_keys = std::max(run.max_keys, row_keys(r));
+    run.plan = choose_decode_attention_plan(n, shape.n_kv_heads, run.max_keys, device.resident_ctas,
+                                            device.cluster);
+    return run;
+  };
+  for (size_t i = 0; i < decode_tiles.size();) {
+    size_t j = i + 1;
+    while (j < decode_tiles.size() &&
+           decode_tiles[j].first_row == decode_tiles[j - 1].first_row + 1) {
+      ++j;
+    }
+    int64_t first = decode_tiles[i].first_row;
+    const int64_t end = first + int64_t(j - i);
+    while (first < end) {
+      // The longest prefix of the rest whose partials fit the reserved workspace.
+      int64_t n = end - first;
+      DecodeRowRun run = plan_run(first, n);
+      while (decode_run_floats(shape, n, run.plan) > device.workspace_floats && n > 1) {
+        n = (n + 1) / 2;
+        run = plan_run(first, n);
+      }
+      if (decode_run_floats(shape, n, run.plan) > device.workspace_floats) {
+        return Status::error(cat("attention: the decode workspace of ", device.workspace_floats,
+                                 " floats does not hold one row of ", run.max_keys,
+                                 " keys; it is sized at load for the model's limits"));
+      }
+      step.decode_runs.push_back(run);
+      first += n;
+    }
+    i = j;
+  }
+  return step;
+}
+
+size_t decode_workspace_floats_for_limits(const AttentionLayerShape& shape, int64_t max_rows,
+                                          int64_t max_keys, const DecodeDeviceLimits& device) {
+  size_t most = 0;
+  for (int64_t n = 1; n <= max_rows; ++n) {
+    const DecodeAttentionPlan plan = choose_decode_attention_plan(
+        n, shape.n_kv_heads, max_keys, device.resident_ctas, device.cluster);
+    most = std::max(most, decode_run_floats(shape, n, plan));
+  }
+  return most;
+}
+
 size_t qsa_top_k_workspace_bytes(int64_t n_rows, int64_t max_groups, int64_t budget,
                                  int64_t ratio) {
   if (ratio < 1 || budget < ratio || max_groups <= 0 || n_rows <= 0) return 0;

@@ -93,6 +93,69 @@ int64_t prefill_rows_per_item(int64_t gqa_group);
 std::vector<PrefillAttentionItem> plan_prefill_items(std::span<const RouteTile> tiles,
                                                      int64_t gqa_group);
 
+// ---- one step's attention launches (planned once per step, run by every layer of a shape) -----
+
+// An attention layer's shape, as far as its launches go. Layers of one shape share one plan.
+struct AttentionLayerShape {
+  int64_t head_dim = 0;
+  int64_t block_size = 0;
+  KvCacheDtype dtype = KvCacheDtype::kF16;
+  int64_t n_heads = 0;     // query heads
+  int64_t n_kv_heads = 0;  // a divisor of n_heads
+  // QSA selection rows (sel_width > 0: budget + ratio - 1 keys at most per row) or dense causal
+  // attention (0).
+  int64_t sel_width = 0;
+
+  bool qsa() const { return sel_width > 0; }
+  int64_t gqa_group() const { return n_kv_heads > 0 ? n_heads / n_kv_heads : 0; }
+  AttentionRouteShape route_shape() const {
+    return AttentionRouteShape{head_dim, block_size, dtype, qsa(), gqa_group()};
+  }
+  bool operator==(const AttentionLayerShape&) const = default;
+};
+
+// What the decode planner needs to know of the device: the decode kernel's resident CTAs (its wave
+// size), the cluster merge there, and the split-K workspace reserved at load (floats).
+struct DecodeDeviceLimits {
+  int64_t resident_ctas = 0;
+  DecodeClusterMerge cluster;
+  size_t workspace_floats = 0;
+};
+
+// A run of consecutive decode rows [first_row, first_row + n_rows) in one decode launch.
+struct DecodeRowRun {
+  int64_t first_row = 0;
+  int64_t n_rows = 0;
+  int64_t max_keys = 0;  // the most keys a row of the run attends
+  DecodeAttentionPlan plan;
+};
+
+// Every launch of one shape in one step: the prefill items (one launch, items in row order) and
+// the decode runs (one launch each).
+struct AttentionStepPlan {
+  RoutePlan routes;
+  std::vector<PrefillAttentionItem> prefill_items;
+  std::vector<DecodeRowRun> decode_runs;
+};
+
+// Plans one step's rows for one shape: the routes (plan_attention_routes), the prefill route's
+// tiles cut into CTA items, and the decode route's rows cut into runs of consecutive rows, each
+// with choose_decode_attention_plan over its longest key list (row_pos + 1, or sel_width for QSA).
+// A run whose split-K partials would not fit device.workspace_floats is cut into shorter runs that
+// do (never when the workspace was sized by decode_workspace_floats_for_limits). rows: host arrays
+// (row_seq, row_pos). Errors: no route for the shape, bad rows, a single row that does not fit
+// the workspace.
+Result<AttentionStepPlan> plan_attention_step(std::span<const AttentionRouteLimits> routes,
+                                              const AttentionLayerShape& shape,
+                                              const QueryBatchView& rows,
+                                              const DecodeDeviceLimits& device);
+
+// The split-K workspace (floats) that every decode run of at most max_rows rows with key lists of
+// at most max_keys keys fits: the largest plan choose_decode_attention_plan makes for 1..max_rows
+// rows at max_keys keys.
+size_t decode_workspace_floats_for_limits(const AttentionLayerShape& shape, int64_t max_rows,
+                                          int64_t max_keys, const DecodeDeviceLimits& device);
+
 // ---- QSA top-k (backend/cuda/qsa_topk.cuh) ------------------------------------------------------
 
 // How qsa_top_k_select finds each row's top-k; every method gives identical results.

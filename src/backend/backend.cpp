@@ -1,5 +1,9 @@
 #include "backend/backend.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
 namespace e4kv {
 namespace {
 
@@ -19,6 +23,34 @@ Status validate_block_copies(int64_t n_blocks, std::span<const BlockCopy> copies
     }
   }
   return ok_status();
+}
+
+void set_sequence_launch_facts(SequenceRowsView& view, const int32_t* host_row_begin,
+                               const int64_t* host_start_pos) {
+  view.first_row = view.n_seqs > 0 ? host_row_begin[0] : 0;
+  view.end_row = view.n_seqs > 0 ? host_row_begin[view.n_seqs] : 0;
+  view.max_seq_rows = 0;
+  view.max_end_pos = 0;
+  for (int64_t s = 0; s < view.n_seqs; ++s) {
+    const int64_t rows = host_row_begin[s + 1] - host_row_begin[s];
+    view.max_seq_rows = std::max(view.max_seq_rows, rows);
+    view.max_end_pos = std::max(view.max_end_pos, host_start_pos[s] + rows);
+  }
+}
+
+// Plain host memory (a CPU backend's staging needs nothing more); 64-byte aligned as allocate().
+Result<HostBuffer> Backend::allocate_host(size_t bytes) {
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  void* data = std::aligned_alloc(64, rounded);
+  if (data == nullptr) {
+    return Status::error(cat(name(), ": cannot allocate ", bytes, " bytes of host memory"));
+  }
+  std::memset(data, 0, rounded);
+  return HostBuffer(this, data, bytes);
+}
+
+void Backend::release_host(void* data) {
+  std::free(data);
 }
 
 Status Backend::rms_norm_grouped(const void*, const void*, int64_t, int64_t, int64_t, float,

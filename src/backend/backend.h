@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/attention_params.h"
+#include "backend/attention_plan.h"
 #include "core/dtype.h"
 #include "core/rms_norm_form.h"
 #include "core/status.h"
@@ -45,15 +46,59 @@ Status validate_block_copies(int64_t n_blocks, std::span<const BlockCopy> copies
 // The rows of each sequence in one forward, for ops that carry per-sequence state (conv windows,
 // recurrent states, indexer rings). Rows of sequence s are [row_begin[s], row_begin[s + 1]) at
 // consecutive positions from start_pos[s]; state_slot[s] is its slot in the state pools. Device
-// pointers, with the same arrays on the host (host_*) for launch planning.
+// pointers, and the launch facts the host decided once for the step (StepContext), so that an op
+// never reads a host array to shape its launch.
 struct SequenceRowsView {
   int64_t n_seqs = 0;
   const int32_t* row_begin = nullptr;   // [n_seqs + 1]
   const int32_t* state_slot = nullptr;  // [n_seqs]
   const int64_t* start_pos = nullptr;   // [n_seqs]
-  const int32_t* host_row_begin = nullptr;
-  const int32_t* host_state_slot = nullptr;
-  const int64_t* host_start_pos = nullptr;
+  int64_t first_row = 0;                // row_begin[0]
+  int64_t end_row = 0;                  // row_begin[n_seqs]
+  int64_t max_seq_rows = 0;             // the most rows one sequence has (1 or 0: a decode step)
+  int64_t max_end_pos = 0;              // the largest start_pos[s] + its rows
+};
+
+// Fills the launch facts of `view` (first_row .. max_end_pos) from host copies of its row_begin
+// [n_seqs + 1] and start_pos [n_seqs].
+void set_sequence_launch_facts(SequenceRowsView& view, const int32_t* host_row_begin,
+                               const int64_t* host_start_pos);
+
+// Host memory for staging uploads (Backend::allocate_host), freed through its backend. Move-only.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(Backend* backend, void* data, size_t bytes)
+      : backend_(backend), data_(data), bytes_(bytes) {}
+  ~HostBuffer() { reset(); }
+  HostBuffer(HostBuffer&& other) noexcept
+      : backend_(std::exchange(other.backend_, nullptr)),
+        data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)) {}
+  HostBuffer& operator=(HostBuffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      backend_ = std::exchange(other.backend_, nullptr);
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  void reset();
+
+ private:
+  Backend* backend_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 // An allocation in a backend's memory, freed through that backend. Move-only.
@@ -132,8 +177,13 @@ class Backend {
   virtual Result<DeviceMemoryInfo> device_memory() const {
     return Status::error(cat(name(), ": device memory is not applicable to this backend"));
   }
-  // dst (backend) <- src (host). The host memory may be reused as soon as the call returns.
+  // dst (backend) <- src (host). The host memory may be reused as soon as the call returns,
+  // except memory from allocate_host: a copy from it runs in order with the ops (a CUDA graph can
+  // hold it), so its bytes must stay unchanged until the next synchronize or copy_to_host.
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  // `bytes` of zero-filled host memory for staging uploads: page-locked on a CUDA backend, plain
+  // memory on the CPU.
+  virtual Result<HostBuffer> allocate_host(size_t bytes);
   // dst (host) <- src (backend), after every earlier op has finished.
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   // Zero-fills `bytes` of backend memory (ordered with the ops).
@@ -209,12 +259,23 @@ class Backend {
   // KV-cache layer. Backend memory, owned by the returned object.
   virtual Result<std::unique_ptr<KvWriteStats>> make_kv_write_stats() = 0;
 
+  // ---- attention: planned on the host once per step, run by every layer ----
+  // At load: the shapes of the model's attention layers and the step limits (rows of one forward,
+  // keys of the longest sequence). A backend sizes its plan buffers and attention workspaces here,
+  // so that neither plan_attention nor paged_attention allocates. A backend that plans nothing
+  // does nothing.
+  virtual Status reserve_attention(std::span<const AttentionLayerShape> /*shapes*/,
+                                   int64_t /*max_rows*/, int64_t /*max_seq_tokens*/) {
+    return ok_status();
+  }
+  // Once per step, before the step's first op: plans the launches (routes, split-K) of every
+  // reserved shape for these rows and uploads what the kernels read (ordered with the ops).
+  // host_rows: row_seq and row_pos on the host. Errors: a shape no route runs.
+  virtual Status plan_attention(const QueryBatchView& /*host_rows*/) { return ok_status(); }
   // params.out = paged attention of every row (backend/cpu/attention.h is the definition): q FP16
-  // bits after norm and RoPE, out fp32 [n_rows, n_heads, head_dim]. host_rows: the same rows with
-  // host pointers (row_seq, row_pos, seq_lens; sel_* for QSA) so the backend plans the launch
-  // (routes, split-K) on the host without reading backend memory.
-  virtual Status paged_attention(const PagedAttentionParams& params,
-                                 const QueryBatchView& host_rows) = 0;
+  // bits after norm and RoPE, out fp32 [n_rows, n_heads, head_dim], with this step's plan of the
+  // layer's shape (plan_attention). Errors: a shape that was not reserved and planned.
+  virtual Status paged_attention(const PagedAttentionParams& params) = 0;
 
   // ---- sampling ----
   // One row of sample_rows (engine/sampler.h defines the draw; core/sampling_noise.h the noise).
@@ -242,8 +303,10 @@ class Backend {
   virtual bool has_hybrid_ops() const { return false; }
 
   // Sizes the workspaces of the ops below for the largest forward, at load, so that a forward does
-  // not allocate (the engine will replay decode steps from CUDA graphs). Ops still grow a
-  // workspace that was not reserved. A backend without workspaces does nothing.
+  // not allocate (the engine will replay decode steps from CUDA graphs). An op that finds its
+  // workspace too small grows it (an allocation and a wait for the device) where
+  // allow_workspace_growth(true), and returns an error naming the workspace otherwise. A backend
+  // without workspaces does nothing.
   struct HybridWorkspaceNeeds {
     int64_t max_rows = 0;  // rows of one forward
     // QSA: compressed groups of the longest sequence, and the indexer's RoPE (positions < max).
@@ -260,6 +323,9 @@ class Backend {
   virtual Status reserve_hybrid_workspaces(const HybridWorkspaceNeeds& /*needs*/) {
     return ok_status();
   }
+  // Off: a forward that outgrows a reserved workspace fails instead of growing it (tests, debug
+  // builds). On by default in release builds, off in debug builds.
+  virtual void allow_workspace_growth(bool /*allowed*/) {}
 
   // Grouped RMSNorm: x [n_rows, n_groups, dim] act, each group row normalised over its dim,
   // gain weight[g * dim + i] (kWeight) or 1 + weight[...] (kOnePlusWeight); weight: [n_groups *
@@ -344,12 +410,22 @@ class Backend {
 
  protected:
   friend class BackendBuffer;
+  friend class HostBuffer;
   // Frees an allocation made by allocate() or upload_weight().
   virtual void release(void* data) = 0;
+  // Frees an allocation made by allocate_host().
+  virtual void release_host(void* data);
 };
 
 inline void BackendBuffer::reset() {
   if (backend_ != nullptr && data_ != nullptr) backend_->release(data_);
+  backend_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+inline void HostBuffer::reset() {
+  if (backend_ != nullptr && data_ != nullptr) backend_->release_host(data_);
   backend_ = nullptr;
   data_ = nullptr;
   bytes_ = 0;

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "core/checked.h"
+#include "model/workspace.h"
 
 namespace e4kv {
 
@@ -72,21 +73,53 @@ Result<StepContext> StepContext::create(Backend& backend, const ModelLimits& lim
     return Status::error(cat(limits.max_seqs, " sequences of ", limits.max_blocks_per_seq,
                              " blocks overflow the block table"));
   }
-  struct Need {
-    BackendBuffer* buffer;
-    size_t bytes;
+  const size_t seqs = size_t(limits.max_seqs);
+  E4KV_RETURN_IF_ERROR(allocate_buffers(
+      backend, {{&ctx.ids_, rows * 4},
+                {&ctx.row_seq_, rows * 4},
+                {&ctx.row_pos_, rows * 4},
+                {&ctx.slots_, rows * 8},
+                {&ctx.cos_, rows * half * 4},
+                {&ctx.sin_, rows * half * 4},
+                {&ctx.logit_rows_, size_t(limits.max_logit_rows) * 4},
+                {&ctx.seq_lens_, seqs * 4},
+                {&ctx.table_, size_t(*table_entries) * 4},
+                {&ctx.seq_begin_, (seqs + 1) * 4},
+                {&ctx.seq_slot_, seqs * 4},
+                {&ctx.seq_start_, seqs * 8}}));
+
+  // The host staging: one block, each array at a 64-byte boundary.
+  size_t staging_bytes = 0;
+  auto reserve = [&](size_t bytes) {
+    const size_t offset = staging_bytes;
+    staging_bytes += (bytes + 63) / 64 * 64;
+    return offset;
   };
-  for (const Need& need :
-       {Need{&ctx.ids_, rows * 4}, Need{&ctx.row_seq_, rows * 4}, Need{&ctx.row_pos_, rows * 4},
-        Need{&ctx.slots_, rows * 8}, Need{&ctx.cos_, rows * half * 4},
-        Need{&ctx.sin_, rows * half * 4}, Need{&ctx.logit_rows_, size_t(limits.max_logit_rows) * 4},
-        Need{&ctx.seq_lens_, size_t(limits.max_seqs) * 4},
-        Need{&ctx.table_, size_t(*table_entries) * 4},
-        Need{&ctx.seq_begin_, size_t(limits.max_seqs + 1) * 4},
-        Need{&ctx.seq_slot_, size_t(limits.max_seqs) * 4},
-        Need{&ctx.seq_start_, size_t(limits.max_seqs) * 8}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.bytes)));
-  }
+  const size_t o_ids = reserve(rows * 4), o_row_seq = reserve(rows * 4),
+               o_row_pos = reserve(rows * 4), o_slots = reserve(rows * 8),
+               o_cos = reserve(rows * half * 4), o_sin = reserve(rows * half * 4),
+               o_logit_rows = reserve(size_t(limits.max_logit_rows) * 4),
+               o_seq_lens = reserve(seqs * 4), o_table = reserve(size_t(*table_entries) * 4),
+               o_seq_begin = reserve((seqs + 1) * 4), o_seq_slot = reserve(seqs * 4),
+               o_seq_start = reserve(seqs * 8);
+  E4KV_ASSIGN_OR_RETURN(ctx.staging_, backend.allocate_host(staging_bytes));
+  std::byte* base = ctx.staging_.as<std::byte>();
+  auto carve = [&]<class T>(std::span<T>& span, size_t offset, size_t count) {
+    span = std::span<T>(reinterpret_cast<T*>(base + offset), count);
+  };
+  carve(ctx.ids_host_, o_ids, rows);
+  carve(ctx.row_seq_host_, o_row_seq, rows);
+  carve(ctx.row_pos_host_, o_row_pos, rows);
+  carve(ctx.slots_host_, o_slots, rows);
+  carve(ctx.cos_host_, o_cos, rows * half);
+  carve(ctx.sin_host_, o_sin, rows * half);
+  carve(ctx.logit_rows_host_, o_logit_rows, size_t(limits.max_logit_rows));
+  carve(ctx.seq_lens_host_, o_seq_lens, seqs);
+  carve(ctx.table_host_, o_table, size_t(*table_entries));
+  carve(ctx.seq_begin_host_, o_seq_begin, seqs + 1);
+  carve(ctx.seq_slot_host_, o_seq_slot, seqs);
+  carve(ctx.seq_start_host_, o_seq_start, seqs);
+  ctx.seq_end_host_.resize(seqs);
   return ctx;
 }
 
@@ -165,28 +198,26 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
   n_rows_ = int64_t(n);
   n_seqs_ = int64_t(batch.seqs.size());
   n_logits_ = int64_t(batch.logit_rows.size());
-  row_seq_host_.assign(batch.row_seq.begin(), batch.row_seq.end());
-  row_pos_host_.assign(batch.row_pos.begin(), batch.row_pos.end());
-  slots_host_.resize(n);
+  for (size_t r = 0; r < n; ++r) {
+    ids_host_[r] = batch.token_ids[r];
+    row_seq_host_[r] = batch.row_seq[r];
+    row_pos_host_[r] = batch.row_pos[r];
+  }
+  for (size_t i = 0; i < size_t(n_logits_); ++i) logit_rows_host_[i] = batch.logit_rows[i];
   for (size_t r = 0; r < n; ++r) {
     slots_host_[r] = slot_for_position(*batch.seqs[size_t(row_seq_host_[r])], row_pos_host_[r],
                                        block_size);
   }
-  seq_lens_host_.resize(size_t(n_seqs_));
-  max_blocks_ = 1;
+  // The block table at the fixed stride, unused entries -1.
+  const int64_t stride = limits_.max_blocks_per_seq;
+  std::fill_n(table_host_.begin(), size_t(n_seqs_ * stride), -1);
   for (int64_t s = 0; s < n_seqs_; ++s) {
-    seq_lens_host_[size_t(s)] = static_cast<int32_t>(batch.seqs[size_t(s)]->n_tokens);
-    max_blocks_ = std::max<int64_t>(max_blocks_, int64_t(batch.seqs[size_t(s)]->blocks.size()));
-  }
-  table_host_.assign(size_t(n_seqs_ * max_blocks_), -1);
-  for (int64_t s = 0; s < n_seqs_; ++s) {
-    const std::vector<int32_t>& blocks = batch.seqs[size_t(s)]->blocks;
-    std::copy(blocks.begin(), blocks.end(), table_host_.begin() + s * max_blocks_);
+    const BlockTable& seq = *batch.seqs[size_t(s)];
+    seq_lens_host_[size_t(s)] = static_cast<int32_t>(seq.n_tokens);
+    std::copy(seq.blocks.begin(), seq.blocks.end(), table_host_.begin() + s * stride);
   }
   const size_t half = size_t(rotary_dim_ / 2);
   if (rope != nullptr && half > 0) {
-    cos_host_.resize(n * half);
-    sin_host_.resize(n * half);
     // The rows come from a table of every position seen so far, computed once (cos and sin in
     // double per entry cost about 1 us a row at rotary width 128: a third of a millisecond per
     // step at 256 decode rows when computed per step).
@@ -219,22 +250,23 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
   host_rows_.row_seq = row_seq_host_.data();
   host_rows_.row_pos = row_pos_host_.data();
   host_rows_.seq_lens = seq_lens_host_.data();
+  E4KV_RETURN_IF_ERROR(backend_->plan_attention(host_rows_));
 
   // ---- and on the device ----
   Backend& b = *backend_;
-  b.copy_from_host(ids_.data(), batch.token_ids.data(), n * 4);
+  b.copy_from_host(ids_.data(), ids_host_.data(), n * 4);
   b.copy_from_host(row_seq_.data(), row_seq_host_.data(), n * 4);
   b.copy_from_host(row_pos_.data(), row_pos_host_.data(), n * 4);
   b.copy_from_host(slots_.data(), slots_host_.data(), n * 8);
   if (rope != nullptr && half > 0) {
-    b.copy_from_host(cos_.data(), cos_host_.data(), cos_host_.size() * 4);
-    b.copy_from_host(sin_.data(), sin_host_.data(), sin_host_.size() * 4);
+    b.copy_from_host(cos_.data(), cos_host_.data(), n * half * 4);
+    b.copy_from_host(sin_.data(), sin_host_.data(), n * half * 4);
   }
   if (n_logits_ > 0) {
-    b.copy_from_host(logit_rows_.data(), batch.logit_rows.data(), size_t(n_logits_) * 4);
+    b.copy_from_host(logit_rows_.data(), logit_rows_host_.data(), size_t(n_logits_) * 4);
   }
   b.copy_from_host(seq_lens_.data(), seq_lens_host_.data(), size_t(n_seqs_) * 4);
-  b.copy_from_host(table_.data(), table_host_.data(), table_host_.size() * 4);
+  b.copy_from_host(table_.data(), table_host_.data(), size_t(n_seqs_ * stride) * 4);
   return ok_status();
 }
 
@@ -245,10 +277,10 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
                              " state slots; this model keeps per-sequence state: give each "
                              "sequence the slot Model::allocate_sequence returned"));
   }
-  seq_begin_host_.assign(n_seqs + 1, -1);
-  seq_slot_host_.assign(batch.seq_slots.begin(), batch.seq_slots.end());
-  seq_start_host_.assign(n_seqs, 0);
-  seq_end_host_.assign(n_seqs, 0);
+  std::fill_n(seq_begin_host_.begin(), n_seqs + 1, -1);
+  for (size_t s = 0; s < n_seqs; ++s) seq_slot_host_[s] = batch.seq_slots[s];
+  std::fill_n(seq_start_host_.begin(), n_seqs, 0);
+  std::fill_n(seq_end_host_.begin(), n_seqs, 0);
   for (size_t s = 0; s < n_seqs; ++s) {
     const int32_t slot = seq_slot_host_[s];
     if (!slots.valid(slot)) {
@@ -288,8 +320,9 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
     seq_end_host_[s] = pos + 1;
   }
   // Row ranges in sequence order (a sequence without rows gets an empty range).
-  std::vector<int32_t> begin(n_seqs + 1, 0);
   int32_t next = 0;
+  int64_t max_seq_rows = 0;
+  int64_t max_end_pos = 0;
   for (size_t s = 0; s < n_seqs; ++s) {
     if (seq_begin_host_[s] < 0) {
       seq_begin_host_[s] = next;
@@ -301,6 +334,8 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
                                "sequence"));
     }
     next += int32_t(seq_end_host_[s] - seq_start_host_[s]);
+    max_seq_rows = std::max(max_seq_rows, seq_end_host_[s] - seq_start_host_[s]);
+    max_end_pos = std::max(max_end_pos, seq_end_host_[s]);
   }
   seq_begin_host_[n_seqs] = next;
   Backend& b = *backend_;
@@ -312,14 +347,15 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
   seq_rows_.row_begin = seq_begin_.as<int32_t>();
   seq_rows_.state_slot = seq_slot_.as<int32_t>();
   seq_rows_.start_pos = seq_start_.as<int64_t>();
-  seq_rows_.host_row_begin = seq_begin_host_.data();
-  seq_rows_.host_state_slot = seq_slot_host_.data();
-  seq_rows_.host_start_pos = seq_start_host_.data();
+  seq_rows_.first_row = seq_begin_host_[0];
+  seq_rows_.end_row = next;
+  seq_rows_.max_seq_rows = max_seq_rows;
+  seq_rows_.max_end_pos = max_end_pos;
   return ok_status();
 }
 
 void StepContext::commit_sequences(SequenceSlots& slots) const {
-  for (size_t s = 0; s < seq_slot_host_.size(); ++s) {
+  for (size_t s = 0; s < size_t(seq_rows_.n_seqs); ++s) {
     slots.set_tokens(seq_slot_host_[s], seq_end_host_[s]);
   }
 }
@@ -334,7 +370,7 @@ QueryBatchView StepContext::rows() const {
 }
 
 BlockTableView StepContext::block_table() const {
-  return BlockTableView{table_.as<int32_t>(), n_seqs_, max_blocks_};
+  return BlockTableView{table_.as<int32_t>(), n_seqs_, limits_.max_blocks_per_seq};
 }
 
 }  // namespace e4kv

@@ -160,7 +160,7 @@ std::vector<float> cpu_reference(const Call& c, std::vector<float>& states) {
 }
 
 // One launcher call on the device states (carried between calls); returns the output widened to
-// fp32. with_host_rows false leaves host_row_begin unset (the launcher then always launches).
+// fp32. with_host_rows false forces the prefill path (max_seq_rows > 1), which takes any rows.
 std::vector<float> gpu_call(const Call& c, DeviceBuffer<float>& states,
                             bool with_host_rows = true) {
   std::vector<int32_t> slots;
@@ -184,9 +184,9 @@ std::vector<float> gpu_call(const Call& c, DeviceBuffer<float>& states,
   seqs.row_begin = row_begin.ptr;
   seqs.state_slot = slot_buf.ptr;
   seqs.start_pos = start_buf.ptr;
-  seqs.host_row_begin = with_host_rows ? c.row_begin.data() : nullptr;
-  seqs.host_state_slot = slots.data();
-  seqs.host_start_pos = start_pos.data();
+  set_sequence_launch_facts(seqs, c.row_begin.data(), start_pos.data());
+  // The prefill path runs any rows: forced where the step's facts would pick the decode path.
+  if (!with_host_rows) seqs.max_seq_rows = std::max<int64_t>(seqs.max_seq_rows, 2);
   const Shape& sh = c.shape;
   const Status status =
       gated_delta_rule_f16(qkv.ptr, g.ptr, beta.ptr, sh.n_k_heads, sh.n_v_heads, sh.head_k_dim,

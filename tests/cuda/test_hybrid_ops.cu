@@ -394,9 +394,7 @@ struct DeviceSeqRows {
     v.row_begin = d_row_begin.ptr;
     v.state_slot = d_state_slot.ptr;
     v.start_pos = d_start_pos.ptr;
-    v.host_row_begin = row_begin.data();
-    v.host_state_slot = state_slot.data();
-    v.host_start_pos = start_pos.data();
+    set_sequence_launch_facts(v, row_begin.data(), start_pos.data());
     return v;
   }
 };

@@ -31,6 +31,8 @@ std::vector<uint16_t> write_rows(Backend& b, const std::vector<uint16_t>& keys,
                                  const std::vector<uint16_t>& weight,
                                  const std::vector<double>& inv_freq) {
   const size_t compressed_elems = size_t(kBlockSize / kRatio * kDim);
+  // The op alone, outside a model that reserved its workspaces: its RoPE table grows here.
+  b.allow_workspace_growth(true);
   auto buffer = [&](size_t bytes, const void* host) {
     Result<BackendBuffer> buf = b.allocate(bytes);
     EXPECT_TRUE(buf.ok()) << buf.message();
@@ -55,9 +57,7 @@ std::vector<uint16_t> write_rows(Backend& b, const std::vector<uint16_t>& keys,
   seqs.row_begin = static_cast<const int32_t*>(d_row_begin.data());
   seqs.state_slot = static_cast<const int32_t*>(d_slot.data());
   seqs.start_pos = static_cast<const int64_t*>(d_start.data());
-  seqs.host_row_begin = row_begin.data();
-  seqs.host_state_slot = slot.data();
-  seqs.host_start_pos = start.data();
+  set_sequence_launch_facts(seqs, row_begin.data(), start.data());
   const BlockTableView bt{static_cast<const int32_t*>(d_table.data()), 1, 1};
   const IndexerKeyNormRope nr{static_cast<const uint16_t*>(d_weight.data()), 1e-6f, kRotary,
                               inv_freq.data()};

@@ -112,9 +112,11 @@ TEST_F(StepContextTest, UploadsTheRowsOfAMixedBatch) {
   EXPECT_EQ(read(rows.row_seq, 4), seq);
   EXPECT_EQ(read(rows.row_pos, 4), pos);
   EXPECT_EQ(read(rows.seq_lens, 2), (std::vector<int32_t>{20, 3}));
+  // The table's stride is the longest sequence the model allows (64 tokens = 4 blocks), not the
+  // step's longest (2 blocks).
   const BlockTableView table = ctx_->block_table();
-  EXPECT_EQ(table.max_blocks_per_seq, 2);
-  EXPECT_EQ(read(table.blocks, 4), (std::vector<int32_t>{5, 2, 7, -1}));
+  EXPECT_EQ(table.max_blocks_per_seq, 4);
+  EXPECT_EQ(read(table.blocks, 8), (std::vector<int32_t>{5, 2, -1, -1, 7, -1, -1, -1}));
   // cos/sin of each row's position at each frequency, in double then rounded.
   const std::vector<float> cos = read(ctx_->cos(), 8);
   const std::vector<float> sin = read(ctx_->sin(), 8);
@@ -128,6 +130,69 @@ TEST_F(StepContextTest, UploadsTheRowsOfAMixedBatch) {
   EXPECT_EQ(ctx_->host_rows().n_rows, 4);
   EXPECT_EQ(ctx_->host_rows().row_pos[3], 2);
   EXPECT_EQ(ctx_->host_rows().seq_lens[0], 20);
+}
+
+// Launch shapes do not follow the step: one decode row of a 1-block sequence, then of a 4-block
+// one, then two sequences, all at the stride of the model's limit; rows past a sequence's blocks
+// are -1 again after a longer sequence used them.
+TEST_F(StepContextTest, BlockTablesHaveTheStrideOfTheLongestSequenceAllowed) {
+  const std::vector<int32_t> one{1}, zero{0};
+  BlockTable shorter{{3}, 5};
+  BlockTable longest{{6, 0, 4, 1}, 64};
+  const std::vector<int32_t> pos4{4}, pos63{63};
+  ASSERT_TRUE(ctx_->build({one, zero, pos4, {&shorter}, {}}, &rope_, 10, 16, 8).ok());
+  EXPECT_EQ(ctx_->block_table().max_blocks_per_seq, 4);
+  EXPECT_EQ(read(ctx_->block_table().blocks, 4), (std::vector<int32_t>{3, -1, -1, -1}));
+  ASSERT_TRUE(ctx_->build({one, zero, pos63, {&longest}, {}}, &rope_, 10, 16, 8).ok());
+  EXPECT_EQ(ctx_->block_table().max_blocks_per_seq, 4);
+  EXPECT_EQ(read(ctx_->block_table().blocks, 4), (std::vector<int32_t>{6, 0, 4, 1}));
+  const std::vector<int32_t> two{1, 2}, seqs{0, 1}, pos{4, 63};
+  ASSERT_TRUE(ctx_->build({two, seqs, pos, {&shorter, &longest}, {}}, &rope_, 10, 16, 8).ok());
+  const BlockTableView table = ctx_->block_table();
+  EXPECT_EQ(table.n_seqs, 2);
+  EXPECT_EQ(table.max_blocks_per_seq, 4);
+  EXPECT_EQ(read(table.blocks, 8), (std::vector<int32_t>{3, -1, -1, -1, 6, 0, 4, 1}));
+}
+
+// The per-sequence rows and the launch facts decided once for the step (SequenceRowsView): a
+// prefill chunk makes max_seq_rows > 1, a decode step 1.
+TEST_F(StepContextTest, SequenceRowsCarryTheStepsLaunchFacts) {
+  SequenceSlots slots(2);
+  Result<int32_t> s0 = slots.allocate();
+  Result<int32_t> s1 = slots.allocate();
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  BlockTable a{{5}, 3};
+  BlockTable b{{7}, 1};
+  const std::vector<int32_t> ids{1, 2, 3, 4}, seq{0, 0, 0, 1}, pos{0, 1, 2, 0};
+  const std::vector<int32_t> seq_slots{*s0, *s1};
+  ForwardBatch batch{ids, seq, pos, {&a, &b}, {}};
+  batch.seq_slots = seq_slots;
+  ASSERT_TRUE(ctx_->build(batch, &rope_, 10, 16, 8).ok());
+  ASSERT_TRUE(ctx_->build_sequences(batch, slots).ok());
+  const SequenceRowsView& rows = ctx_->sequences();
+  EXPECT_EQ(rows.n_seqs, 2);
+  EXPECT_EQ(rows.first_row, 0);
+  EXPECT_EQ(rows.end_row, 4);
+  EXPECT_EQ(rows.max_seq_rows, 3);
+  EXPECT_EQ(rows.max_end_pos, 3);
+  EXPECT_EQ(read(rows.row_begin, 3), (std::vector<int32_t>{0, 3, 4}));
+  EXPECT_EQ(
+      std::vector<int32_t>(ctx_->host_seq_row_begin().begin(), ctx_->host_seq_row_begin().end()),
+      (std::vector<int32_t>{0, 3, 4}));
+  EXPECT_EQ(std::vector<int32_t>(ctx_->host_seq_slots().begin(), ctx_->host_seq_slots().end()),
+            seq_slots);
+  ctx_->commit_sequences(slots);
+  // The next step decodes one row of each.
+  a.n_tokens = 4;
+  b.n_tokens = 2;
+  const std::vector<int32_t> ids2{5, 6}, seq2{0, 1}, pos2{3, 1};
+  ForwardBatch decode{ids2, seq2, pos2, {&a, &b}, {}};
+  decode.seq_slots = seq_slots;
+  ASSERT_TRUE(ctx_->build(decode, &rope_, 10, 16, 8).ok());
+  ASSERT_TRUE(ctx_->build_sequences(decode, slots).ok());
+  EXPECT_EQ(ctx_->sequences().max_seq_rows, 1);
+  EXPECT_EQ(ctx_->sequences().max_end_pos, 4);
+  EXPECT_EQ(ctx_->sequences().end_row, 2);
 }
 
 TEST_F(StepContextTest, RefusesBatchesBeyondTheLimitsOrTheirOwnMetadata) {

@@ -280,8 +280,8 @@ class CpuBackend final : public Backend {
     return std::unique_ptr<KvWriteStats>(std::make_unique<HostKvWriteStats>());
   }
 
-  Status paged_attention(const PagedAttentionParams& params,
-                         const QueryBatchView& /*host_rows*/) override {
+  // Rows are planned where they run: the reference needs no step plan.
+  Status paged_attention(const PagedAttentionParams& params) override {
     E4KV_RETURN_IF_ERROR(validate_paged_attention(params, /*need_out=*/true));
     const int64_t n_rows = params.rows.n_rows;
     const int64_t row_elems = params.n_heads * params.cache.geometry.head_dim;

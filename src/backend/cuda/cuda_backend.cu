@@ -73,6 +73,11 @@ class CudaBackend final : public Backend, public StepProfiler {
     E4KV_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
     // fp32 accumulation only: no reduced-precision reductions.
     E4KV_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+    // cuBLAS's workspace, owned here and fixed for the backend's life (set after the stream,
+    // which resets it): a GEMM never allocates, eagerly or in a CUDA graph, and a graph's GEMMs
+    // run exactly as the eager ones.
+    E4KV_CUDA_CHECK(cudaMalloc(&cublas_workspace_, kCublasWorkspaceBytes));
+    E4KV_CUBLAS_CHECK(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
   }
   ~CudaBackend() override {
     for (cudaEvent_t event : profile_events_) cudaEventDestroy(event);
@@ -80,6 +85,7 @@ class CudaBackend final : public Backend, public StepProfiler {
     cudaFree(moe_workspace_);
     cudaFree(rope_table_);
     cublasDestroy(cublas_);
+    cudaFree(cublas_workspace_);
     cudaStreamDestroy(stream_);
   }
 
@@ -108,6 +114,7 @@ class CudaBackend final : public Backend, public StepProfiler {
 
   Result<BackendBuffer> allocate(size_t bytes) override {
     void* ptr = nullptr;
+    ++counters_.allocations;
     const cudaError_t err = cudaMalloc(&ptr, std::max<size_t>(bytes, 1));
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-free allocation error
@@ -118,6 +125,19 @@ class CudaBackend final : public Backend, public StepProfiler {
     E4KV_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_));
     return BackendBuffer(this, ptr, bytes);
   }
+  Result<HostBuffer> allocate_host(size_t bytes) override {
+    void* ptr = nullptr;
+    ++counters_.allocations;
+    const cudaError_t err = cudaMallocHost(&ptr, std::max<size_t>(bytes, 1));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Status::error(cat("cuda:", device_, ": cannot allocate ", bytes,
+                               " bytes of page-locked host memory (", cudaGetErrorString(err),
+                               ")"));
+    }
+    std::memset(ptr, 0, std::max<size_t>(bytes, 1));
+    return HostBuffer(this, ptr, bytes);
+  }
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
     // Pageable source: the call returns once the bytes are staged, so the caller may reuse them.
@@ -126,6 +146,7 @@ class CudaBackend final : public Backend, public StepProfiler {
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
     E4KV_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    ++counters_.host_waits;
     E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void fill_zero(void* dst, size_t bytes) override {
@@ -138,7 +159,10 @@ class CudaBackend final : public Backend, public StepProfiler {
     cuda::copy_blocks(pool, block_bytes, copies, stream_);
     return ok_status();
   }
-  void synchronize() override { E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  void synchronize() override {
+    ++counters_.host_waits;
+    E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
   void begin(bool isolate) override {
     profiling_ = true;
@@ -298,9 +322,16 @@ class CudaBackend final : public Backend, public StepProfiler {
     return std::unique_ptr<KvWriteStats>(std::make_unique<DeviceKvWriteStats>(stream_));
   }
 
-  Status paged_attention(const PagedAttentionParams& params,
-                         const QueryBatchView& host_rows) override {
-    return attention_.run(params, host_rows, stream_);
+  Status reserve_attention(std::span<const AttentionLayerShape> shapes, int64_t max_rows,
+                           int64_t max_seq_tokens) override {
+    ++counters_.allocations;
+    return attention_.reserve(shapes, max_rows, max_seq_tokens, stream_);
+  }
+  Status plan_attention(const QueryBatchView& host_rows) override {
+    return attention_.plan(host_rows, stream_);
+  }
+  Status paged_attention(const PagedAttentionParams& params) override {
+    return attention_.run(params, stream_);
   }
 
   // ---- hybrid-model ops ----
@@ -381,7 +412,7 @@ class CudaBackend final : public Backend, public StepProfiler {
     // Passes of up to kMoeRowsPerPass rows: the workspace is sized once for them.
     const size_t bytes = cuda::moe_experts_workspace_bytes(
         std::min<int64_t>(n_rows, kMoeRowsPerPass), top_k, n_experts, hidden, inter);
-    E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes));
+    E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
     return cuda::moe_experts_f16(h(x), h(gate_up), h(down), n_experts, hidden, inter, ids, weights,
                                  n_rows, top_k, h(out), moe_workspace_, moe_workspace_bytes_,
                                  stream_);
@@ -400,15 +431,10 @@ class CudaBackend final : public Backend, public StepProfiler {
                            const uint16_t* index_k, const SequenceRowsView& seqs,
                            const BlockTableView& block_table,
                            const IndexerKeyNormRope& norm_rope) override {
-    int64_t max_tokens = 0;
-    int64_t max_end = 0;
-    for (int64_t s = 0; s < seqs.n_seqs; ++s) {
-      const int64_t n = seqs.host_row_begin[s + 1] - seqs.host_row_begin[s];
-      max_tokens = std::max(max_tokens, n);
-      max_end = std::max(max_end, seqs.host_start_pos[s] + n);
-    }
+    const int64_t max_tokens = seqs.max_seq_rows;
     if (max_tokens == 0) return ok_status();
-    E4KV_RETURN_IF_ERROR(ensure_rope_table(norm_rope.inv_freq, norm_rope.rotary_dim, max_end));
+    E4KV_RETURN_IF_ERROR(
+        ensure_rope_table(norm_rope.inv_freq, norm_rope.rotary_dim, seqs.max_end_pos));
     cuda::QsaIndexerWriteArgs args;
     args.compressed = compressed;
     args.rings = rings;
@@ -440,8 +466,8 @@ class CudaBackend final : public Backend, public StepProfiler {
     const int64_t q_elems = config.n_index_heads * compressed.index_dim;
     for (int64_t r0 = 0; r0 < rows.n_rows; r0 += chunk) {
       const int64_t n = std::min(chunk, rows.n_rows - r0);
-      E4KV_RETURN_IF_ERROR(
-          ensure(&scores_, &scores_bytes_, size_t(n) * size_t(max_groups) * sizeof(float)));
+      E4KV_RETURN_IF_ERROR(ensure(&scores_, &scores_bytes_,
+                                  size_t(n) * size_t(max_groups) * sizeof(float), "QSA score"));
       QueryBatchView part = rows;
       part.n_rows = n;
       part.row_seq += r0;
@@ -470,10 +496,26 @@ class CudaBackend final : public Backend, public StepProfiler {
   }
 
   Status reserve_hybrid_workspaces(const HybridWorkspaceNeeds& needs) override {
+    // Growth is what reserving is: allowed here whatever the policy.
+    const bool allowed = workspace_growth_;
+    workspace_growth_ = true;
+    Status status = reserve_hybrid(needs);
+    workspace_growth_ = allowed;
+    return status;
+  }
+  void allow_workspace_growth(bool allowed) override { workspace_growth_ = allowed; }
+
+  CudaBackendCounters counters() const { return counters_; }
+  cudaStream_t stream() const { return stream_; }
+  uint64_t attention_plan_signature() const { return attention_.plan_signature(); }
+
+ private:
+  Status reserve_hybrid(const HybridWorkspaceNeeds& needs) {
     if (needs.qsa_max_groups > 0) {
       const int64_t rows = std::min(needs.max_rows, score_rows_per_chunk(needs.qsa_max_groups));
       E4KV_RETURN_IF_ERROR(ensure(&scores_, &scores_bytes_,
-                                  size_t(rows) * size_t(needs.qsa_max_groups) * sizeof(float)));
+                                  size_t(rows) * size_t(needs.qsa_max_groups) * sizeof(float),
+                                  "QSA score"));
       if (needs.rope_inv_freq != nullptr) {
         E4KV_RETURN_IF_ERROR(
             ensure_rope_table(needs.rope_inv_freq, needs.rotary_dim, needs.max_positions));
@@ -483,13 +525,14 @@ class CudaBackend final : public Backend, public StepProfiler {
       const size_t bytes = cuda::moe_experts_workspace_bytes(
           std::min<int64_t>(needs.max_rows, kMoeRowsPerPass), needs.moe_top_k, needs.moe_experts,
           needs.moe_hidden, needs.moe_inter);
-      E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes));
+      E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
     }
     return ok_status();
   }
 
  protected:
   void release(void* data) override { cudaFree(data); }
+  void release_host(void* data) override { cudaFreeHost(data); }
 
  private:
   struct ProfileMark {
@@ -501,6 +544,8 @@ class CudaBackend final : public Backend, public StepProfiler {
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  static constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+  void* cublas_workspace_ = nullptr;
   cuda::PagedAttentionRunner attention_;
   bool profiling_ = false;
   bool profile_isolate_ = false;
@@ -514,7 +559,6 @@ class CudaBackend final : public Backend, public StepProfiler {
     return std::max<int64_t>(1, int64_t(kScoreWorkspaceBytes / (size_t(max_groups) * 4)));
   }
 
-  // Grows a device buffer to `bytes` (kept across calls).
   cudaEvent_t profile_event() {
     if (profile_events_used_ == profile_events_.size()) {
       cudaEvent_t event = nullptr;
@@ -531,9 +575,20 @@ class CudaBackend final : public Backend, public StepProfiler {
     E4KV_CUDA_CHECK(cudaEventRecord(open.end, stream_));
   }
 
-  Status ensure(void** buffer, size_t* capacity, size_t bytes) {
+  // Grows a device buffer to `bytes` (kept across calls); a growth waits for the device (a queued
+  // launch may still read the buffer), so outside the reserve calls it is an error unless
+  // allow_workspace_growth(true).
+  Status ensure(void** buffer, size_t* capacity, size_t bytes, const char* what) {
     if (bytes <= *capacity) return ok_status();
+    if (!workspace_growth_) {
+      return Status::error(cat("cuda backend: the ", what, " workspace of ", *capacity,
+                               " bytes is too small for ", bytes,
+                               " bytes, and a forward may not grow it (it was sized at load "
+                               "for the model's limits)"));
+    }
+    ++counters_.allocations;
     if (*buffer != nullptr) {
+      ++counters_.host_waits;
       E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
       cudaFree(*buffer);
       *buffer = nullptr;
@@ -567,11 +622,12 @@ class CudaBackend final : public Backend, public StepProfiler {
     }
     size_t capacity = rope_bytes_;
     void* buffer = rope_table_;
-    E4KV_RETURN_IF_ERROR(ensure(&buffer, &capacity, table.size() * sizeof(float)));
+    E4KV_RETURN_IF_ERROR(ensure(&buffer, &capacity, table.size() * sizeof(float), "RoPE table"));
     rope_table_ = static_cast<float*>(buffer);
     rope_bytes_ = capacity;
     E4KV_CUDA_CHECK(cudaMemcpyAsync(rope_table_, table.data(), table.size() * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_));
+    ++counters_.host_waits;
     E4KV_CUDA_CHECK(cudaStreamSynchronize(stream_));
     rope_inv_freq_.assign(inv_freq, inv_freq + half);
     rope_dim_ = rotary_dim;
@@ -591,9 +647,84 @@ class CudaBackend final : public Backend, public StepProfiler {
   std::vector<double> rope_inv_freq_;  // the table's frequencies (rotary_dim / 2)
   int64_t rope_dim_ = 0;
   int64_t rope_positions_ = 0;
+  // Debug builds refuse workspace growth inside a forward; release builds grow (slower, correct).
+#ifdef NDEBUG
+  bool workspace_growth_ = true;
+#else
+  bool workspace_growth_ = false;
+#endif
+  CudaBackendCounters counters_;
+};
+
+class CudaGraphExec final : public CudaGraph {
+ public:
+  CudaGraphExec(cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream)
+      : graph_(graph), exec_(exec), stream_(stream) {}
+  ~CudaGraphExec() override {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  Status replay() override {
+    const cudaError_t err = cudaGraphLaunch(exec_, stream_);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::error(cat("cuda graph: launch failed (", cudaGetErrorString(err), ")"));
+    }
+    return ok_status();
+  }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
 };
 
 }  // namespace
+
+CudaBackendCounters cuda_backend_counters(const Backend& backend) {
+  const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
+  return cuda != nullptr ? cuda->counters() : CudaBackendCounters{};
+}
+
+uint64_t cuda_attention_plan_signature(const Backend& backend) {
+  const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
+  return cuda != nullptr ? cuda->attention_plan_signature() : 0;
+}
+
+Result<std::unique_ptr<CudaGraph>> capture_cuda_graph(Backend& backend,
+                                                      const std::function<Status()>& issue) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) return Status::error(cat(backend.name(), ": not a CUDA backend"));
+  const cudaStream_t stream = cuda->stream();
+  cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::error(
+        cat("cuda graph: cannot begin the capture (", cudaGetErrorString(err), ")"));
+  }
+  Status issued = issue();
+  cudaGraph_t graph = nullptr;
+  err = cudaStreamEndCapture(stream, &graph);
+  if (!issued.ok()) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return issued;
+  }
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::error(cat("cuda graph: the capture was invalidated (", cudaGetErrorString(err),
+                             "): an op allocated, waited for the device or copied from pageable "
+                             "memory"));
+  }
+  cudaGraphExec_t exec = nullptr;
+  err = cudaGraphInstantiate(&exec, graph, 0);
+  if (err != cudaSuccess) {
+    cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    return Status::error(cat("cuda graph: cannot instantiate (", cudaGetErrorString(err), ")"));
+  }
+  return std::unique_ptr<CudaGraph>(new CudaGraphExec(graph, exec, stream));
+}
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {
   const int count = cuda::device_count();

@@ -5,6 +5,8 @@
 // without CUDA includes, so the command-line program can name it.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "backend/backend.h"
@@ -26,5 +28,35 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
 // The step profiler of a CUDA backend (CUDA events on its stream; Model::set_step_profiler);
 // nullptr for a backend make_cuda_backend did not make.
 StepProfiler* cuda_step_profiler(Backend& backend);
+
+// What a CUDA backend has done that a forward's device half must not: device or page-locked
+// allocations (allocate, allocate_host, workspace growth, reserves) and host waits (synchronize,
+// copy_to_host, a workspace growth). Tests read them around a forward.
+struct CudaBackendCounters {
+  int64_t allocations = 0;
+  int64_t host_waits = 0;
+};
+// The counters of a backend made by make_cuda_backend (all zero for another backend).
+CudaBackendCounters cuda_backend_counters(const Backend& backend);
+
+// The launch signature of the step's attention plans (PagedAttentionRunner::plan_signature): a
+// graph captured after one step's host half replays another's only where the signatures are
+// equal (0 for another backend).
+uint64_t cuda_attention_plan_signature(const Backend& backend);
+
+// A CUDA graph of the ops issued on a CUDA backend's stream (cudaStreamBeginCapture, global mode:
+// an allocation, a wait for the device or a copy from pageable memory inside the capture fails
+// it). Replays read the device buffers the ops were issued on, so refresh them first (a model's
+// host half) and replay.
+class CudaGraph {
+ public:
+  virtual ~CudaGraph() = default;
+  // Launches the graph on the backend's stream (asynchronous, ordered with its ops).
+  virtual Status replay() = 0;
+};
+// Captures what `issue` launches on `backend` (made by make_cuda_backend). Errors: another
+// backend, `issue`'s own error, or an operation the capture cannot hold (its CUDA error).
+Result<std::unique_ptr<CudaGraph>> capture_cuda_graph(Backend& backend,
+                                                      const std::function<Status()>& issue);
 
 }  // namespace e4kv

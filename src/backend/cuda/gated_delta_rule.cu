@@ -20,7 +20,7 @@
 // The algebra differs from the CPU reference's order (decay and norms factored out of the sums, o
 // from the state before the write, sums over warps, FMA contraction): fp32 rounding only.
 //
-// Two paths, chosen on the host from host_row_begin: decode (every sequence one row or none)
+// Two paths, chosen from the step's max_seq_rows: decode (every sequence one row or none)
 // spends no registers on prefetching and runs 3 CTAs per SM; prefill (some sequence with several
 // rows) loads token t + 1's inputs while token t computes, 2 CTAs per SM.
 // Figures and the variants measured against this design: bench/notes/qwen4exp_ops.md.
@@ -259,10 +259,7 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
   }
   if (seqs.n_seqs < 0) return Status::error(cat(kOp, "negative n_seqs ", seqs.n_seqs));
   if (seqs.n_seqs == 0) return ok_status();
-  if (seqs.host_row_begin != nullptr &&
-      seqs.host_row_begin[seqs.n_seqs] == seqs.host_row_begin[0]) {
-    return ok_status();  // no rows: nothing to read or write
-  }
+  if (seqs.end_row == seqs.first_row) return ok_status();  // no rows: nothing to read or write
   if (qkv == nullptr || g == nullptr || beta == nullptr || states == nullptr || out == nullptr ||
       seqs.row_begin == nullptr || seqs.state_slot == nullptr) {
     return Status::error(cat(kOp, "null qkv, g, beta, states, out, row_begin or state_slot"));
@@ -274,12 +271,8 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
                              " CTAs is above the grid limit 2^31 - 1"));
   }
 
-  // The prefill path when some sequence has several rows, or when the host copy is not there to
-  // tell.
-  bool prefill = seqs.host_row_begin == nullptr;
-  for (int64_t s = 0; !prefill && s < seqs.n_seqs; ++s) {
-    prefill = seqs.host_row_begin[s + 1] - seqs.host_row_begin[s] > 1;
-  }
+  // The prefill path when some sequence has several rows (decided once per step on the host).
+  const bool prefill = seqs.max_seq_rows > 1;
   const int rows_per_thread = head_k_dim <= 128 ? 16 : 32;
   GatedDeltaRuleKernelParams params{};
   params.qkv = qkv;

@@ -29,9 +29,9 @@ inline constexpr int64_t kGatedDeltaRuleMaxHeadKDim = 256;
 //   g, beta: [n_rows, n_v_heads] fp32 (log decay, write strength)
 //   states: [n_slots, n_v_heads, head_k_dim, head_v_dim] fp32, updated in place (slots of
 //        sequences with no rows, and slots no sequence names, are not touched)
-//   seqs: device row_begin [n_seqs + 1], state_slot [n_seqs] (start_pos unused); host_row_begin,
-//        when set, picks the decode path (no sequence with more than one row) and lets a call with
-//        no rows return without a launch; without it the prefill path runs (correct for any rows)
+//   seqs: device row_begin [n_seqs + 1], state_slot [n_seqs] (start_pos unused); max_seq_rows
+//        picks the path (1 or 0: decode; more: prefill, correct for any rows) and a call with
+//        first_row == end_row returns without a launch
 //   out: [n_rows, n_v_heads, head_v_dim] FP16 bits
 // Limits: n_k_heads, n_v_heads >= 1, n_v_heads a multiple of n_k_heads, 1 <= head_k_dim <=
 // kGatedDeltaRuleMaxHeadKDim, head_v_dim >= 1, distinct slots for the sequences of one call.

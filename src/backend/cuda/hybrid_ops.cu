@@ -404,8 +404,8 @@ struct Conv1dParams {
   int32_t kernel;
   int32_t dilation;
   int32_t n_state;     // (kernel - 1) * dilation
-  int32_t first_row;   // host_row_begin[0]
-  int32_t end_row;     // host_row_begin[n_seqs]
+  int32_t first_row;   // row_begin[0]
+  int32_t end_row;     // row_begin[n_seqs]
   int32_t chunk_rows;  // rows per chunk, >= 1
   int32_t n_tiles;     // channel tiles of kConvThreads
   int32_t meta_ints;   // shared ints for row_begin and state_slot (0: read them from global)
@@ -659,10 +659,9 @@ void conv1d_silu_f16(const uint16_t* x, int64_t channels, const uint16_t* weight
       cat("conv1d_silu_f16: unsupported shape channels=", channels, " kernel=", kernel,
           " dilation=", dilation));
   if (seqs.n_seqs <= 0) return;
-  E4KV_ASSERT(seqs.host_row_begin != nullptr && seqs.row_begin != nullptr,
-              "conv1d_silu_f16: no row_begin (device and host copies are needed)");
-  const int64_t first_row = seqs.host_row_begin[0];
-  const int64_t end_row = seqs.host_row_begin[seqs.n_seqs];
+  E4KV_ASSERT(seqs.row_begin != nullptr, "conv1d_silu_f16: no row_begin");
+  const int64_t first_row = seqs.first_row;
+  const int64_t end_row = seqs.end_row;
   const int64_t n_rows = end_row - first_row;
   if (n_rows <= 0) return;
   const int64_t n_state = (kernel - 1) * dilation;

@@ -47,7 +47,7 @@ void hc_expand_f16(const uint16_t* e, int64_t n_rows, int64_t n_streams, int64_t
 // x, out: [n_rows, channels] FP16 (no alias; row r of sequence s in [row_begin[s],
 // row_begin[s+1])); weight: [channels, kernel] FP16; states: [n_slots, (kernel - 1) * dilation,
 // channels] FP16, oldest input first, updated in place (may be null when kernel = 1); seqs: device
-// row_begin and state_slot (start_pos is not read), host_row_begin for the launch plan. Limits
+// row_begin and state_slot (start_pos is not read), first_row and end_row for the launch. Limits
 // (conv1d_silu_f16_supported): kernel <= 16, (kernel - 1) * dilation <= 64.
 inline constexpr int64_t kConv1dMaxKernel = 16;
 inline constexpr int64_t kConv1dMaxState = 64;

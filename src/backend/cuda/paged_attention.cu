@@ -1,6 +1,7 @@
-// The CUDA attention op: route planning on the host, then one prefill launch for every tile of the
-// prefill route and one decode launch per run of consecutive decode rows (the decode kernel takes a
-// contiguous row range, so a run is addressed by offsetting the row arrays).
+// The CUDA attention op: route planning on the host once per step (plan_attention_step for every
+// reserved shape), then per layer one prefill launch for every tile of the prefill route and one
+// decode launch per run of consecutive decode rows (the decode kernel takes a contiguous row range,
+// so a run is addressed by offsetting the row arrays).
 #include "backend/cuda/paged_attention.cuh"
 
 #include <algorithm>
@@ -8,6 +9,31 @@
 #include "backend/cuda/cuda_check.h"
 
 namespace e4kv::cuda {
+namespace {
+
+AttentionLayerShape shape_of(const PagedAttentionParams& params) {
+  const KvCacheGeometry& geo = params.cache.geometry;
+  AttentionLayerShape shape;
+  shape.head_dim = geo.head_dim;
+  shape.block_size = geo.block_size;
+  shape.dtype = geo.dtype;
+  shape.n_heads = params.n_heads;
+  shape.n_kv_heads = geo.n_kv_heads;
+  shape.sel_width = params.rows.qsa() ? params.rows.sel_width : 0;
+  return shape;
+}
+
+KvCacheGeometry geometry_of(const AttentionLayerShape& shape) {
+  KvCacheGeometry geo;
+  geo.head_dim = shape.head_dim;
+  geo.block_size = shape.block_size;
+  geo.dtype = shape.dtype;
+  geo.n_kv_heads = shape.n_kv_heads;
+  geo.n_blocks = 1;
+  return geo;
+}
+
+}  // namespace
 
 PagedAttentionRunner::PagedAttentionRunner(int device, bool force_software_e4m3)
     : device_(device),
@@ -15,102 +41,152 @@ PagedAttentionRunner::PagedAttentionRunner(int device, bool force_software_e4m3)
       routes_(cuda_attention_routes()) {}
 
 PagedAttentionRunner::~PagedAttentionRunner() {
+  cudaFreeHost(h_items_);
   cudaFree(d_items_);
   cudaFree(d_workspace_);
 }
 
-Result<PagedAttentionRunner::ResidentCtas> PagedAttentionRunner::resident_ctas(
-    const KvCacheGeometry& geo, int64_t n_heads) {
-  const int64_t group = n_heads / std::max<int64_t>(geo.n_kv_heads, 1);
-  for (const ResidentCtas& r : resident_) {
-    if (r.head_dim == geo.head_dim && r.group == group && r.dtype == geo.dtype) return r;
+Status PagedAttentionRunner::reserve(std::span<const AttentionLayerShape> shapes, int64_t max_rows,
+                                     int64_t max_seq_tokens, cudaStream_t stream) {
+  // Shapes join those reserved before (several models may share the backend); the limits only
+  // grow.
+  max_rows = std::max(max_rows, max_rows_);
+  max_seq_tokens = std::max(max_seq_tokens, max_seq_tokens_);
+  std::vector<AttentionLayerShape> all;
+  for (const ShapePlan& plan : shapes_) all.push_back(plan.shape);
+  all.insert(all.end(), shapes.begin(), shapes.end());
+  std::vector<ShapePlan> plans;
+  size_t workspace_floats = 0;
+  for (const AttentionLayerShape& shape : all) {
+    if (std::any_of(plans.begin(), plans.end(),
+                    [&](const ShapePlan& p) { return p.shape == shape; })) {
+      continue;
+    }
+    if (shape.n_kv_heads <= 0 || shape.n_heads % shape.n_kv_heads != 0) {
+      return Status::error(cat("attention: ", shape.n_heads, " query heads are not a multiple of ",
+                               shape.n_kv_heads, " KV heads"));
+    }
+    const KvCacheGeometry geo = geometry_of(shape);
+    ShapePlan plan;
+    plan.shape = shape;
+    E4KV_ASSIGN_OR_RETURN(
+        plan.device.resident_ctas,
+        decode_attention_resident_ctas(geo, shape.n_heads, decode_config_, device_));
+    E4KV_ASSIGN_OR_RETURN(plan.device.cluster, decode_attention_cluster_merge(
+                                                   geo, shape.n_heads, decode_config_, device_));
+    const int64_t max_keys = shape.qsa() ? shape.sel_width : max_seq_tokens;
+    workspace_floats = std::max(workspace_floats, decode_workspace_floats_for_limits(
+                                                      shape, max_rows, max_keys, plan.device));
+    plans.push_back(std::move(plan));
   }
-  E4KV_ASSIGN_OR_RETURN(const int64_t ctas,
-                        decode_attention_resident_ctas(geo, n_heads, decode_config_, device_));
-  E4KV_ASSIGN_OR_RETURN(const DecodeClusterMerge cluster,
-                        decode_attention_cluster_merge(geo, n_heads, decode_config_, device_));
-  resident_.push_back(ResidentCtas{geo.head_dim, group, geo.dtype, ctas, cluster});
-  return resident_.back();
+  const size_t items = std::max<size_t>(1, plans.size() * size_t(std::max<int64_t>(1, max_rows)));
+  // The buffers of an earlier reserve may still be read by queued launches.
+  E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaFreeHost(h_items_);
+  cudaFree(d_items_);
+  cudaFree(d_workspace_);
+  h_items_ = nullptr;
+  d_items_ = nullptr;
+  d_workspace_ = nullptr;
+  d_workspace_floats_ = 0;
+  shapes_.clear();
+  const size_t item_bytes = items * sizeof(PrefillAttentionItem);
+  if (cudaMallocHost(&h_items_, item_bytes) != cudaSuccess ||
+      cudaMalloc(&d_items_, item_bytes) != cudaSuccess ||
+      cudaMalloc(&d_workspace_, std::max<size_t>(1, workspace_floats) * sizeof(float)) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::error(cat("cuda:", device_, ": cannot allocate the attention workspace (",
+                             workspace_floats * sizeof(float) + item_bytes,
+                             " bytes); lower --max-batch-tokens or --max-model-len"));
+  }
+  d_workspace_floats_ = workspace_floats;
+  for (ShapePlan& plan : plans) plan.device.workspace_floats = workspace_floats;
+  shapes_ = std::move(plans);
+  max_rows_ = max_rows;
+  max_seq_tokens_ = max_seq_tokens;
+  planned_rows_ = -1;
+  return ok_status();
 }
 
-Status PagedAttentionRunner::run(const PagedAttentionParams& params,
-                                 const QueryBatchView& host_rows, cudaStream_t stream) {
-  const KvCacheGeometry& geo = params.cache.geometry;
-  if (host_rows.n_rows != params.rows.n_rows) {
-    return Status::error("attention: host and device row counts differ");
+Status PagedAttentionRunner::plan(const QueryBatchView& host_rows, cudaStream_t stream) {
+  planned_rows_ = -1;
+  if (shapes_.empty()) return ok_status();  // a model without attention layers
+  if (host_rows.n_rows > max_rows_) {
+    return Status::error(
+        cat("attention: ", host_rows.n_rows, " rows; the plan buffers were sized for ", max_rows_));
   }
-  if (geo.n_kv_heads <= 0 || params.n_heads % geo.n_kv_heads != 0) {
-    return Status::error(cat("attention: ", params.n_heads, " query heads are not a multiple of ",
-                             geo.n_kv_heads, " KV heads"));
+  int64_t n_items = 0;
+  for (ShapePlan& plan : shapes_) {
+    E4KV_ASSIGN_OR_RETURN(plan.step,
+                          plan_attention_step(routes_, plan.shape, host_rows, plan.device));
+    plan.first_item = n_items;
+    std::copy(plan.step.prefill_items.begin(), plan.step.prefill_items.end(), h_items_ + n_items);
+    n_items += int64_t(plan.step.prefill_items.size());
   }
-  const int64_t group = params.n_heads / geo.n_kv_heads;
-  const AttentionRouteShape shape{geo.head_dim, geo.block_size, geo.dtype, params.rows.qsa(),
-                                  group};
-  E4KV_ASSIGN_OR_RETURN(plan_, plan_attention_routes(routes_, shape, host_rows));
-  if (params.rows.n_rows == 0) return Status();
-
-  // Prefill: every tile of the prefill route, cut into CTA items, in one launch.
-  std::vector<RouteTile> prefill_tiles;
-  std::vector<RouteTile> decode_tiles;
-  for (const RouteLaunch& launch : plan_.launches) {
-    auto first = plan_.tiles.begin() + launch.first_tile;
-    auto& dst = routes_[launch.route].kernel == AttentionKernel::kPrefillTiles ? prefill_tiles
-                                                                               : decode_tiles;
-    dst.insert(dst.end(), first, first + launch.n_tiles);
-  }
-  if (!prefill_tiles.empty()) {
-    items_ = plan_prefill_items(prefill_tiles, group);
-    if (items_.size() > d_items_capacity_) {
-      cudaFree(d_items_);
-      d_items_ = nullptr;
-      d_items_capacity_ = std::max<size_t>(items_.size(), 2 * d_items_capacity_);
-      E4KV_CUDA_CHECK(cudaMalloc(&d_items_, d_items_capacity_ * sizeof(PrefillAttentionItem)));
-    }
-    E4KV_CUDA_CHECK(cudaMemcpyAsync(d_items_, items_.data(),
-                                    items_.size() * sizeof(PrefillAttentionItem),
+  if (n_items > 0) {
+    E4KV_CUDA_CHECK(cudaMemcpyAsync(d_items_, h_items_,
+                                    size_t(n_items) * sizeof(PrefillAttentionItem),
                                     cudaMemcpyHostToDevice, stream));
-    E4KV_RETURN_IF_ERROR(paged_prefill_attention(params, d_items_, int64_t(items_.size()),
+  }
+  planned_rows_ = host_rows.n_rows;
+  return ok_status();
+}
+
+uint64_t PagedAttentionRunner::plan_signature() const {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the values, one at a time
+  auto mix = [&](int64_t value) { hash = (hash ^ uint64_t(value)) * 1099511628211ull; };
+  mix(planned_rows_);
+  // A reserve() moves the buffers a graph's launches point into.
+  mix(int64_t(reinterpret_cast<intptr_t>(d_items_)));
+  mix(int64_t(reinterpret_cast<intptr_t>(d_workspace_)));
+  for (const ShapePlan& plan : shapes_) {
+    mix(int64_t(plan.step.prefill_items.size()));
+    mix(plan.first_item);
+    for (const DecodeRowRun& run : plan.step.decode_runs) {
+      mix(run.first_row);
+      mix(run.n_rows);
+      mix(run.plan.keys_per_split);
+      mix(run.plan.n_splits);
+      mix(run.plan.merge_in_cluster ? 1 : 0);
+    }
+  }
+  return hash;
+}
+
+Status PagedAttentionRunner::run(const PagedAttentionParams& params, cudaStream_t stream) {
+  const AttentionLayerShape shape = shape_of(params);
+  auto it = std::find_if(shapes_.begin(), shapes_.end(),
+                         [&](const ShapePlan& p) { return p.shape == shape; });
+  if (it == shapes_.end()) {
+    return Status::error(cat("attention: no plan for head_dim ", shape.head_dim, ", ",
+                             shape.n_heads, " heads over ", shape.n_kv_heads,
+                             " KV heads; reserve the model's attention shapes at load"));
+  }
+  if (params.rows.n_rows != planned_rows_) {
+    return Status::error(cat("attention: ", params.rows.n_rows,
+                             " rows but the step was planned for ", planned_rows_));
+  }
+  const ShapePlan& plan = *it;
+  last_plan_ = plan.step.routes;
+  if (params.rows.n_rows == 0) return Status();
+  const KvCacheGeometry& geo = params.cache.geometry;
+
+  if (!plan.step.prefill_items.empty()) {
+    E4KV_RETURN_IF_ERROR(paged_prefill_attention(params, d_items_ + plan.first_item,
+                                                 int64_t(plan.step.prefill_items.size()),
                                                  decode_config_.native_e4m3, stream));
   }
-
-  // Decode: runs of consecutive rows (tiles are single rows in row order within the route).
-  std::sort(decode_tiles.begin(), decode_tiles.end(),
-            [](const RouteTile& a, const RouteTile& b) { return a.first_row < b.first_row; });
   const int64_t row_q = params.n_heads * geo.head_dim;
-  for (size_t i = 0; i < decode_tiles.size();) {
-    size_t j = i + 1;
-    while (j < decode_tiles.size() &&
-           decode_tiles[j].first_row == decode_tiles[j - 1].first_row + 1)
-      ++j;
-    const int64_t first = decode_tiles[i].first_row;
-    const int64_t n = int64_t(j - i);
-    int64_t max_keys = 1;
-    for (int64_t r = first; r < first + n; ++r) {
-      const int64_t keys = !params.rows.qsa()                ? int64_t(host_rows.row_pos[r]) + 1
-                           : host_rows.sel_counts != nullptr ? int64_t(host_rows.sel_counts[r])
-                                                             : params.rows.sel_width;
-      max_keys = std::max(max_keys, keys);
-    }
-    E4KV_ASSIGN_OR_RETURN(const ResidentCtas resident, resident_ctas(geo, params.n_heads));
-    const DecodeAttentionPlan plan =
-        choose_decode_attention_plan(n, geo.n_kv_heads, max_keys, resident.ctas, resident.cluster);
-    const size_t need = plan.merge_in_cluster ? 0
-                                              : decode_attention_workspace_floats(
-                                                    n, plan.n_splits, params.n_heads, geo.head_dim);
-    if (need > d_workspace_floats_) {
-      // note: cudaFree waits for the device, so growing the workspace never frees memory a
-      // queued launch still uses.
-      cudaFree(d_workspace_);
-      d_workspace_ = nullptr;
-      d_workspace_floats_ = std::max(need, 2 * d_workspace_floats_);
-      E4KV_CUDA_CHECK(cudaMalloc(&d_workspace_, d_workspace_floats_ * sizeof(float)));
-    }
+  for (const DecodeRowRun& run : plan.step.decode_runs) {
+    const int64_t first = run.first_row;
+    const int64_t n = run.n_rows;
     DecodeAttentionWorkspace ws;
     ws.m = d_workspace_;
-    ws.l = ws.m + n * plan.n_splits * params.n_heads;
-    ws.acc = ws.l + n * plan.n_splits * params.n_heads;
+    ws.l = ws.m + n * run.plan.n_splits * params.n_heads;
+    ws.acc = ws.l + n * run.plan.n_splits * params.n_heads;
     ws.max_rows = n;
-    ws.max_splits = plan.n_splits;
+    ws.max_splits = run.plan.n_splits;
     ws.n_heads = params.n_heads;
     ws.head_dim = geo.head_dim;
 
@@ -125,10 +201,33 @@ Status PagedAttentionRunner::run(const PagedAttentionParams& params,
     sub.q += first * row_q;
     if (sub.gate != nullptr) sub.gate += first * row_q;
     sub.out += first * row_q;
-    E4KV_RETURN_IF_ERROR(paged_decode_attention(sub, plan, ws, decode_config_, stream));
-    i = j;
+    E4KV_RETURN_IF_ERROR(paged_decode_attention(sub, run.plan, ws, decode_config_, stream));
   }
   return Status();
+}
+
+Status PagedAttentionRunner::run(const PagedAttentionParams& params,
+                                 const QueryBatchView& host_rows, cudaStream_t stream) {
+  if (host_rows.n_rows != params.rows.n_rows) {
+    return Status::error("attention: host and device row counts differ");
+  }
+  const AttentionLayerShape shape = shape_of(params);
+  int64_t max_keys = 1;
+  for (int64_t r = 0; r < host_rows.n_rows; ++r) {
+    max_keys = std::max<int64_t>(max_keys, int64_t(host_rows.row_pos[r]) + 1);
+  }
+  const bool reserved = std::any_of(shapes_.begin(), shapes_.end(),
+                                    [&](const ShapePlan& p) { return p.shape == shape; }) &&
+                        host_rows.n_rows <= max_rows_ && max_keys <= max_seq_tokens_;
+  if (!reserved) {
+    const AttentionLayerShape one[] = {shape};
+    E4KV_RETURN_IF_ERROR(reserve(one, host_rows.n_rows, max_keys, stream));
+  }
+  // The staging may still feed the previous call's copy: calls on their own do not promise the
+  // step's synchronisation between plans.
+  E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
+  E4KV_RETURN_IF_ERROR(plan(host_rows, stream));
+  return run(params, stream);
 }
 
 }  // namespace e4kv::cuda

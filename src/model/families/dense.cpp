@@ -238,6 +238,15 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
                                                    limits.max_batch_tokens));
   E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, config.intermediate_size,
                                                      limits.max_batch_tokens));
+  // Every layer attends with one shape: its launches are planned once per step.
+  AttentionLayerShape shape;
+  shape.head_dim = geometry.head_dim;
+  shape.block_size = geometry.block_size;
+  shape.dtype = geometry.dtype;
+  shape.n_heads = config.n_heads;
+  shape.n_kv_heads = config.n_kv_heads;
+  E4KV_RETURN_IF_ERROR(backend.reserve_attention(std::span(&shape, 1), limits.max_batch_tokens,
+                                                 limits.max_seq_tokens));
   return model;
 }
 
@@ -264,12 +273,15 @@ ModelMemory DenseModel::memory() const {
   return memory;
 }
 
-Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
+Status DenseModel::prepare(const ForwardBatch& batch) {
+  return core_.build_step(batch);
+}
+
+Status DenseModel::run_layers(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
   Workspace& ws = *ws_;
   const ModelConfig& c = core_.config;
   const LogitsHead& head = *core_.head;
-  E4KV_RETURN_IF_ERROR(core_.build_step(batch));
   const StepContext& step = *core_.step;
   const int64_t n = step.n_rows();
   const int64_t hidden = c.hidden_size;
@@ -297,6 +309,18 @@ Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
   }
+  return ok_status();
+}
+
+Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
+  Backend& b = *core_.backend;
+  Workspace& ws = *ws_;
+  const int64_t hidden = core_.config.hidden_size;
+  const float eps = static_cast<float>(core_.config.rms_norm_eps);
+  const LogitsHead& head = *core_.head;
+  E4KV_RETURN_IF_ERROR(prepare(batch));
+  E4KV_RETURN_IF_ERROR(run_layers(batch));
+  const StepContext& step = *core_.step;
 
   const LogitsHead::FinalNorm final_norm = [&](const void* in, int64_t m, void* out) {
     return b.rms_norm(in, final_norm_.data(), m, hidden, eps, RmsNormForm::kWeight, out);

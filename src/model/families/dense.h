@@ -66,6 +66,13 @@ class DenseModel final : public Model {
   const RopeTable& rope() const { return core_.rope; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
+  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
+  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
+  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
+  // data), so it can be captured once and replayed after each prepare() of a batch of the same
+  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
+  Status prepare(const ForwardBatch& batch);
+  Status run_layers(const ForwardBatch& batch);
   // The dense families keep no per-sequence state; the slots only count live sequences.
   Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
   Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }

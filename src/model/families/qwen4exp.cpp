@@ -18,6 +18,7 @@ struct Qwen4ExpModel::Workspace {
   std::optional<DeltaNetWorkspace> delta_net;
   MoeWorkspace moe;
   std::optional<PleWorkspace> ple;
+  std::optional<PleStepBuffers> ple_step;
 };
 
 bool is_qwen4exp(const ModelConfig& config) {
@@ -218,8 +219,11 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   E4KV_ASSIGN_OR_RETURN(ws.moe, MoeWorkspace::create(backend, moe, rows));
   if (!q.ple_layers.empty()) {
     const int64_t heads = (q.ngram_size - 1) * q.heads_per_ngram;
-    E4KV_ASSIGN_OR_RETURN(PleWorkspace ple, PleWorkspace::create(backend, ps, heads, rows));
+    E4KV_ASSIGN_OR_RETURN(PleWorkspace ple, PleWorkspace::create(backend, ps, rows));
     ws.ple.emplace(std::move(ple));
+    E4KV_ASSIGN_OR_RETURN(PleStepBuffers step_buffers,
+                          PleStepBuffers::create(backend, ps, heads, ple_index, rows));
+    ws.ple_step.emplace(std::move(step_buffers));
   }
   Backend::HybridWorkspaceNeeds needs;
   needs.max_rows = rows;
@@ -234,6 +238,18 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   needs.moe_hidden = moe.hidden;
   needs.moe_inter = moe.inter;
   E4KV_RETURN_IF_ERROR(backend.reserve_hybrid_workspaces(needs));
+  if (has_qsa) {
+    // Every QSA layer attends with one shape over its selection: planned once per step.
+    AttentionLayerShape shape;
+    shape.head_dim = m.qsa_shape_.head_dim;
+    shape.block_size = options.block_size;
+    shape.dtype = options.kv_cache_dtype;
+    shape.n_heads = m.qsa_shape_.n_heads;
+    shape.n_kv_heads = m.qsa_shape_.n_kv_heads;
+    shape.sel_width = m.qsa_shape_.sel_width();
+    E4KV_RETURN_IF_ERROR(
+        backend.reserve_attention(std::span(&shape, 1), rows, limits.max_seq_tokens));
+  }
   return model;
 }
 
@@ -350,6 +366,43 @@ Status Qwen4ExpModel::copy_blocks(std::span<const BlockCopy> copies) {
   return ok_status();
 }
 
+Status Qwen4ExpModel::prepare(const ForwardBatch& batch) {
+  Backend& b = *core_.backend;
+  Workspace& ws = *ws_;
+  const ModelConfig& c = core_.config;
+  E4KV_RETURN_IF_ERROR(core_.build_step(batch));
+  E4KV_RETURN_IF_ERROR(core_.step->build_sequences(batch, core_.slots));
+  for (size_t r = 0; r < batch.token_ids.size(); ++r) {
+    const int64_t id = batch.token_ids[r];
+    const std::vector<int64_t>& media = c.qwen4exp->media_token_ids;
+    if (std::find(media.begin(), media.end(), id) != media.end()) {
+      return Status::error(cat("token id ", id, " (row ", r,
+                               ") is an image or video placeholder; e4kv runs the text model of "
+                               "Qwen4Exp only (the vision tower is not loaded): give text input"));
+    }
+  }
+  if (!ws.ple_step) return ok_status();
+  // PLE: every layer's n-gram rows, gathered on the host and uploaded in one copy. The n-gram
+  // histories advance here: a failure leaves them undefined, as a failed forward does.
+  const StepContext& step = *core_.step;
+  const int64_t n = step.n_rows();
+  PleStepBuffers& ple = *ws.ple_step;
+  int64_t ple_index = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    if (!layers_[l].ple) continue;
+    Status status =
+        layers_[l].ple->prepare(batch.token_ids, step.host_seq_row_begin(), step.host_seq_slots(),
+                                *memory_[l].ple, ple.ids.data(), ple.emb_f32.data(), b.act_dtype(),
+                                ple.host_rows(ple_index++, n, b.act_size()));
+    if (!status.ok()) {
+      for (int32_t slot : batch.seq_slots) core_.slots.poison(slot);
+      return status;
+    }
+  }
+  ple.upload(b, n);
+  return ok_status();
+}
+
 Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
   Workspace& ws = *ws_;
@@ -357,6 +410,8 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   const int64_t n = step.n_rows();
   const int64_t hidden = core_.config.hidden_size;
   unsigned long long* non_finite = core_.head->non_finite();
+  core_.head->begin_step(b);
+  int64_t ple_index = 0;
 
   core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
@@ -367,7 +422,8 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
     if (layer.ple) {
       core_.mark("ple");
       E4KV_RETURN_IF_ERROR(
-          layer.ple->forward(b, batch.token_ids, step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
+          layer.ple->forward(b, n, ws.ple_step->device_rows(ple_index++, n, b.act_size()),
+                             step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
     }
     core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
@@ -400,21 +456,9 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
 Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
   Workspace& ws = *ws_;
-  const ModelConfig& c = core_.config;
   const LogitsHead& head = *core_.head;
-  E4KV_RETURN_IF_ERROR(core_.build_step(batch));
-  E4KV_RETURN_IF_ERROR(core_.step->build_sequences(batch, core_.slots));
-  for (size_t r = 0; r < batch.token_ids.size(); ++r) {
-    const int64_t id = batch.token_ids[r];
-    const std::vector<int64_t>& media = c.qwen4exp->media_token_ids;
-    if (std::find(media.begin(), media.end(), id) != media.end()) {
-      return Status::error(cat("token id ", id, " (row ", r,
-                               ") is an image or video placeholder; e4kv runs the text model of "
-                               "Qwen4Exp only (the vision tower is not loaded): give text input"));
-    }
-  }
+  E4KV_RETURN_IF_ERROR(prepare(batch));
   const StepContext& step = *core_.step;
-  head.begin_step(b);
 
   // No final RMSNorm: the final mixer's norm is it.
   const LogitsHead::FinalNorm final_mix = [&](const void* in, int64_t m, void* out) {

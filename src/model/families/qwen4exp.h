@@ -60,6 +60,13 @@ class Qwen4ExpModel final : public Model {
   void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
+  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
+  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
+  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
+  // data), so it can be captured once and replayed after each prepare() of a batch of the same
+  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
+  Status prepare(const ForwardBatch& batch);
+  Status run_layers(const ForwardBatch& batch);
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
@@ -102,7 +109,6 @@ class Qwen4ExpModel final : public Model {
 
   Qwen4ExpModel();
   QsaLayerCache qsa_cache(size_t layer) const;
-  Status run_layers(const ForwardBatch& batch);
 
   ModelCore core_;
   int64_t skipped_tensors_ = 0;

@@ -123,7 +123,7 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   params.n_heads = s.n_heads;
   params.q = ws.q16.as<uint16_t>();
   params.out = ws.attn.as<float>();
-  E4KV_RETURN_IF_ERROR(b.paged_attention(params, ctx.host_rows()));
+  E4KV_RETURN_IF_ERROR(b.paged_attention(params));
   return project_attention_output(b, n, q_dim, s.hidden, ws, o_.data(), o_bias_.data(), out);
 }
 

@@ -1,30 +1,39 @@
 #include "model/layers/ple.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/half.h"
+#include "model/workspace.h"
 
 namespace e4kv {
 
-Result<PleWorkspace> PleWorkspace::create(Backend& backend, const PleShape& shape, int64_t n_heads,
+Result<PleWorkspace> PleWorkspace::create(Backend& backend, const PleShape& shape,
                                           int64_t max_rows) {
   PleWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  ws.ids.resize(n * size_t(n_heads));
-  ws.emb_f32.resize(n * size_t(shape.embed_dim));
-  if (backend.act_dtype() == DType::kF16) ws.emb_f16.resize(ws.emb_f32.size());
-  struct Need {
-    BackendBuffer* buffer;
-    size_t elems;
-  };
-  for (const Need& need :
-       {Need{&ws.emb, n * size_t(shape.embed_dim)}, Need{&ws.kn, n * size_t(shape.width())},
-        Need{&ws.qn, n * size_t(shape.width())}, Need{&ws.gv, n * size_t(shape.width())},
-        Need{&ws.conv, n * size_t(shape.width())}, Need{&ws.val, n * size_t(shape.hidden)}}) {
-    E4KV_ASSIGN_OR_RETURN(*need.buffer, backend.allocate(std::max<size_t>(64, need.elems * act)));
-  }
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.kn, n * size_t(shape.width()) * act},
+                                                  {&ws.qn, n * size_t(shape.width()) * act},
+                                                  {&ws.gv, n * size_t(shape.width()) * act},
+                                                  {&ws.conv, n * size_t(shape.width()) * act},
+                                                  {&ws.val, n * size_t(shape.hidden) * act}}));
   return ws;
+}
+
+Result<PleStepBuffers> PleStepBuffers::create(Backend& backend, const PleShape& shape,
+                                              int64_t n_heads, int64_t n_layers, int64_t max_rows) {
+  PleStepBuffers buffers;
+  buffers.n_layers = n_layers;
+  buffers.embed_dim = shape.embed_dim;
+  const size_t n = size_t(max_rows);
+  buffers.ids.resize(n * size_t(n_heads));
+  buffers.emb_f32.resize(n * size_t(shape.embed_dim));
+  const size_t bytes =
+      std::max<size_t>(64, size_t(n_layers) * n * size_t(shape.embed_dim) * backend.act_size());
+  E4KV_ASSIGN_OR_RETURN(buffers.staging, backend.allocate_host(bytes));
+  E4KV_ASSIGN_OR_RETURN(buffers.emb, backend.allocate(bytes));
+  return buffers;
 }
 
 void PleState::reset(Backend& backend, const PleShape& shape, int32_t slot, int64_t ngram_size,
@@ -89,47 +98,45 @@ Result<PleState> PleBlock::create_state(Backend& backend, int64_t n_slots) const
   return state;
 }
 
-Status PleBlock::forward(Backend& b, std::span<const int32_t> tokens, const SequenceRowsView& seqs,
-                         void* x, PleState& state, PleWorkspace& ws) const {
-  const PleShape& s = shape_;
+Status PleBlock::prepare(std::span<const int32_t> tokens, std::span<const int32_t> row_begin,
+                         std::span<const int32_t> slots, PleState& state, int64_t* ids,
+                         float* emb_f32, DType act, void* emb) const {
   const int64_t n = int64_t(tokens.size());
   const int64_t n_heads = hash_.n_heads();
-  const int64_t dh = table_.dim();
-  const DType act = b.act_dtype();
-
-  // ---- n-gram ids and table rows, on the host ----
-  for (int64_t q = 0; q < seqs.n_seqs; ++q) {
-    const int64_t begin = seqs.host_row_begin[q];
-    const int64_t end = seqs.host_row_begin[q + 1];
-    std::vector<int32_t>& history = state.history[size_t(seqs.host_state_slot[q])];
+  for (size_t q = 0; q < slots.size(); ++q) {
+    const int64_t begin = row_begin[q];
+    const int64_t end = row_begin[q + 1];
+    std::vector<int32_t>& history = state.history[size_t(slots[q])];
     ple_ngram_ids(hash_, eos_, tokens.subspan(size_t(begin), size_t(end - begin)), history,
-                  ws.ids.data() + begin * n_heads);
+                  ids + begin * n_heads);
   }
   for (int64_t i = 0; i < n * n_heads; ++i) {
-    if (ws.ids[size_t(i)] < 0 || ws.ids[size_t(i)] >= table_.n_rows()) {
-      return Status::error(cat("PLE: n-gram id ", ws.ids[size_t(i)], " outside the table's ",
-                               table_.n_rows(),
-                               " rows (the checkpoint's hash buffers and table "
-                               "disagree)"));
+    if (ids[i] < 0 || ids[i] >= table_.n_rows()) {
+      return Status::error(cat("PLE: n-gram id ", ids[i], " outside the table's ", table_.n_rows(),
+                               " rows (the checkpoint's hash buffers and table disagree)"));
     }
   }
-  table_.gather(ws.ids.data(), n * n_heads, ws.emb_f32.data());  // [n, heads * dh] = [n, embed]
-  const size_t elems = size_t(n * n_heads * dh);
+  table_.gather(ids, n * n_heads, emb_f32);  // [n, heads * dh] = [n, embed]
+  const size_t elems = size_t(n * n_heads * table_.dim());
   if (act == DType::kF32) {
-    b.copy_from_host(ws.emb.data(), ws.emb_f32.data(), elems * 4);
+    std::copy(emb_f32, emb_f32 + elems, static_cast<float*>(emb));
   } else {
-    for (size_t i = 0; i < elems; ++i) ws.emb_f16[i] = f32_to_f16(ws.emb_f32[i]);
-    b.copy_from_host(ws.emb.data(), ws.emb_f16.data(), elems * 2);
+    uint16_t* out = static_cast<uint16_t*>(emb);
+    for (size_t i = 0; i < elems; ++i) out[i] = f32_to_f16(emb_f32[i]);
   }
+  return ok_status();
+}
 
-  // ---- the block ----
+Status PleBlock::forward(Backend& b, int64_t n, const void* emb, const SequenceRowsView& seqs,
+                         void* x, PleState& state, PleWorkspace& ws) const {
+  const PleShape& s = shape_;
+  const DType act = b.act_dtype();
   const int64_t w = s.width();
-  E4KV_RETURN_IF_ERROR(
-      b.linear(ws.emb.data(), key_.data(), nullptr, n, s.embed_dim, w, ws.kn.data(), act));
+  E4KV_RETURN_IF_ERROR(b.linear(emb, key_.data(), nullptr, n, s.embed_dim, w, ws.kn.data(), act));
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(ws.kn.data(), norm_key_.data(), n, s.streams, s.hidden,
                                           s.eps, RmsNormForm::kOnePlusWeight, ws.kn.data()));
-  E4KV_RETURN_IF_ERROR(b.linear(ws.emb.data(), value_.data(), nullptr, n, s.embed_dim, s.hidden,
-                                ws.val.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(emb, value_.data(), nullptr, n, s.embed_dim, s.hidden, ws.val.data(), act));
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(x, norm_query_.data(), n, s.streams, s.hidden, s.eps,
                                           RmsNormForm::kOnePlusWeight, ws.qn.data()));
   E4KV_RETURN_IF_ERROR(

@@ -5,7 +5,9 @@
 //   gv_s = sigmoid(signed sqrt(kn_s . qn_s / sqrt(H))) * val
 //   X   += gv + silu(dilated causal conv(grouped (1+w) rms(gv)))
 // The n-gram table (about 48 GiB in the real model) stays in the memory-mapped checkpoint: the
-// rows a forward needs are gathered on the host and copied in. Per-sequence state: the last
+// host half of a forward (PleBlock::prepare, before the first launch) hashes the step's tokens and
+// gathers the rows of every PLE layer into one staging block uploaded once; the layer's device
+// half (PleBlock::forward) only reads device buffers. Per-sequence state: the last
 // ngram_size - 1 tokens (host, EOS at the start) and the conv window [(kernel - 1) * ngram_size,
 // streams * hidden] act.
 #pragma once
@@ -36,15 +38,36 @@ struct PleShape {
 };
 
 struct PleWorkspace {
-  std::vector<int64_t> ids;    // [rows, hash heads] host
-  std::vector<float> emb_f32;  // [rows, embed_dim] host
-  std::vector<uint16_t> emb_f16;
-  BackendBuffer emb;               // [rows, embed_dim] act
   BackendBuffer kn, qn, gv, conv;  // [rows, width] act
   BackendBuffer val;               // [rows, hidden] act
 
-  static Result<PleWorkspace> create(Backend& backend, const PleShape& shape, int64_t n_heads,
-                                     int64_t max_rows);
+  static Result<PleWorkspace> create(Backend& backend, const PleShape& shape, int64_t max_rows);
+};
+
+// The host half's buffers for the PLE layers of one step: the gathered table rows of every layer,
+// staged in host memory (page-locked on CUDA) and uploaded in one copy.
+struct PleStepBuffers {
+  int64_t n_layers = 0;
+  int64_t embed_dim = 0;
+  std::vector<int64_t> ids;    // [rows, hash heads] host scratch
+  std::vector<float> emb_f32;  // [rows, embed_dim] host scratch
+  HostBuffer staging;          // [n_layers, rows, embed_dim] act
+  BackendBuffer emb;           // [n_layers, rows, embed_dim] act: layer i's rows at i * rows
+
+  static Result<PleStepBuffers> create(Backend& backend, const PleShape& shape, int64_t n_heads,
+                                       int64_t n_layers, int64_t max_rows);
+  // Layer i's staged rows on the host and on the device, for a step of n rows.
+  void* host_rows(int64_t i, int64_t n, size_t act_size) const {
+    return staging.as<std::byte>() + size_t(i * n * embed_dim) * act_size;
+  }
+  const void* device_rows(int64_t i, int64_t n, size_t act_size) const {
+    return emb.as<std::byte>() + size_t(i * n * embed_dim) * act_size;
+  }
+  // Uploads the staged rows of every layer for a step of n rows (one copy).
+  void upload(Backend& backend, int64_t n) const {
+    backend.copy_from_host(emb.data(), staging.data(),
+                           size_t(n_layers * n * embed_dim) * backend.act_size());
+  }
 };
 
 // One PLE layer's per-sequence state.
@@ -66,12 +89,22 @@ class PleBlock {
                                const Qwen4ExpConfig& config, int64_t vocab_size, int64_t ple_index);
   Result<PleState> create_state(Backend& backend, int64_t n_slots) const;
 
-  // x += PLE(x) for the rows of the step. tokens: the step's token ids (host), rows of each
-  // sequence as seqs says (host arrays). x: [n, width] act.
-  Status forward(Backend& backend, std::span<const int32_t> tokens, const SequenceRowsView& seqs,
+  // The host half for one step: the n-gram ids of the tokens of each sequence (rows
+  // [row_begin[s], row_begin[s + 1]), history of slot slots[s], advanced in place) and their table
+  // rows, converted to `act` into emb [n, embed_dim] (host). ids: [n, hash heads] scratch;
+  // emb_f32: [n, embed_dim] scratch. Errors: an id outside the table (the checkpoint's hash
+  // buffers and table disagree); the histories may then be partly advanced.
+  Status prepare(std::span<const int32_t> tokens, std::span<const int32_t> row_begin,
+                 std::span<const int32_t> slots, PleState& state, int64_t* ids, float* emb_f32,
+                 DType act, void* emb) const;
+
+  // The device half: x += PLE(x) for the n rows of the step. emb: [n, embed_dim] act (the rows
+  // prepare() staged, uploaded); seqs: the rows of each sequence. x: [n, width] act.
+  Status forward(Backend& backend, int64_t n, const void* emb, const SequenceRowsView& seqs,
                  void* x, PleState& state, PleWorkspace& ws) const;
 
   const PleHashParams& hash() const { return hash_; }
+  const PleTable& table() const { return table_; }
 
  private:
   PleShape shape_;

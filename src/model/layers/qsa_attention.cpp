@@ -148,9 +148,7 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   params.q = h.q16.as<uint16_t>();
   params.gate = ws.gate16.as<uint16_t>();
   params.out = h.attn.as<float>();
-  QueryBatchView host_rows = ctx.host_rows();
-  host_rows.sel_width = s.sel_width();
-  E4KV_RETURN_IF_ERROR(b.paged_attention(params, host_rows));
+  E4KV_RETURN_IF_ERROR(b.paged_attention(params));
   return project_attention_output(b, n, s.q_dim(), s.hidden, h, o_.data(), o_bias_.data(), out);
 }
 

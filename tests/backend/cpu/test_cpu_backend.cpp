@@ -193,7 +193,7 @@ TEST(CpuBackend, RowParallelAttentionEqualsOneReferenceCall) {
   ASSERT_TRUE(paged_attention(params).ok());
   params.out = got.data();
   auto b = make_cpu_backend({4});
-  ASSERT_TRUE(b->paged_attention(params, params.rows).ok());
+  ASSERT_TRUE(b->paged_attention(params).ok());
   EXPECT_EQ(got, want);
 }
 
