@@ -40,7 +40,7 @@ struct DenseModelSpec {
 // architecture and listing the supported ones.
 Result<DenseModelSpec> dense_model_spec(const ModelConfig& config);
 
-class DenseModel final : public Model {
+class DenseModel final : public CoreModel {
  public:
   // Checks the config (family, layer kinds, sliding window, RoPE type, hidden_act) and every
   // tensor (presence, dtype, shape; an unexpected tensor is an error), runs the K/V scale gate
@@ -53,26 +53,13 @@ class DenseModel final : public Model {
   DenseModel(const DenseModel&) = delete;
   DenseModel& operator=(const DenseModel&) = delete;
 
-  const ModelConfig& config() const override { return core_.config; }
-  const ModelLimits& limits() const override { return core_.limits; }
-  const KvScales& kv_scales() const override { return core_.kv_scales; }
-  KvCacheDtype kv_cache_dtype() const override { return core_.options.kv_cache_dtype; }
-  int64_t block_size() const override { return core_.options.block_size; }
-  int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
-  Backend& backend() const override { return *core_.backend; }
-  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
   const DenseModelSpec& spec() const { return spec_; }
   const RopeTable& rope() const { return core_.rope; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
-  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
-  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
-  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
-  // data), so it can be captured once and replayed after each prepare() of a batch of the same
-  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
-  Status prepare(const ForwardBatch& batch);
-  Status run_layers(const ForwardBatch& batch);
+  Status prepare(const ForwardBatch& batch) override;
+  Status run_layers(const ForwardBatch& batch) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
   Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
   Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }
@@ -82,10 +69,7 @@ class DenseModel final : public Model {
   }
   Status copy_blocks(std::span<const BlockCopy> copies) override;
 
-  Status start_kv_statistics() override { return core_.start_kv_statistics(); }
-  Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }
   KvCacheView kv_cache(int64_t layer) const override { return cache_view(size_t(layer)); }
-  void stop_kv_statistics() override { core_.kv_stats.stop(); }
 
  private:
   struct Layer {
@@ -98,7 +82,6 @@ class DenseModel final : public Model {
   DenseModel();
   KvCacheView cache_view(size_t layer) const;
 
-  ModelCore core_;
   DenseModelSpec spec_;
 
   BackendBuffer embed_;       // [vocab, hidden]

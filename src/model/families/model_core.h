@@ -62,4 +62,32 @@ struct ModelCore {
   }
 };
 
+// The Model methods every family answers from its ModelCore alone. A family derives from this and
+// adds its weights, memory, forward and per-sequence state.
+class CoreModel : public Model {
+ public:
+  const ModelConfig& config() const final { return core_.config; }
+  const ModelLimits& limits() const final { return core_.limits; }
+  const KvScales& kv_scales() const final { return core_.kv_scales; }
+  KvCacheDtype kv_cache_dtype() const final { return core_.options.kv_cache_dtype; }
+  int64_t block_size() const final { return core_.options.block_size; }
+  int64_t n_blocks() const final { return core_.options.n_blocks; }
+  Backend& backend() const final { return *core_.backend; }
+  void set_step_profiler(StepProfiler* profiler) final { core_.profiler = profiler; }
+  Status start_kv_statistics() final { return core_.start_kv_statistics(); }
+  Result<std::vector<LayerKvStats>> kv_statistics() final { return core_.kv_stats.read(); }
+  void stop_kv_statistics() final { core_.kv_stats.stop(); }
+
+  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
+  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
+  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
+  // data), so it can be captured once and replayed after each prepare() of a batch of the same
+  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
+  virtual Status prepare(const ForwardBatch& batch) = 0;
+  virtual Status run_layers(const ForwardBatch& batch) = 0;
+
+ protected:
+  ModelCore core_;
+};
+
 }  // namespace e4kv

@@ -36,7 +36,7 @@ namespace e4kv {
 // True for a config of the Qwen4Exp family (its text model or the multimodal wrapper).
 bool is_qwen4exp(const ModelConfig& config);
 
-class Qwen4ExpModel final : public Model {
+class Qwen4ExpModel final : public CoreModel {
  public:
   // Checks the config and every tensor (presence, dtype, shape; an unexpected tensor is an error;
   // vision-tower and multi-token-prediction tensors are skipped and counted), runs the K/V scale
@@ -49,24 +49,11 @@ class Qwen4ExpModel final : public Model {
   Qwen4ExpModel(const Qwen4ExpModel&) = delete;
   Qwen4ExpModel& operator=(const Qwen4ExpModel&) = delete;
 
-  const ModelConfig& config() const override { return core_.config; }
-  const ModelLimits& limits() const override { return core_.limits; }
-  const KvScales& kv_scales() const override { return core_.kv_scales; }
-  KvCacheDtype kv_cache_dtype() const override { return core_.options.kv_cache_dtype; }
-  int64_t block_size() const override { return core_.options.block_size; }
-  int64_t n_blocks() const override { return core_.options.n_blocks; }
   ModelMemory memory() const override;
-  Backend& backend() const override { return *core_.backend; }
-  void set_step_profiler(StepProfiler* profiler) override { core_.profiler = profiler; }
 
   Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
-  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
-  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
-  // run_layers() then only launches (no allocation, no wait for the device, no decision on host
-  // data), so it can be captured once and replayed after each prepare() of a batch of the same
-  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
-  Status prepare(const ForwardBatch& batch);
-  Status run_layers(const ForwardBatch& batch);
+  Status prepare(const ForwardBatch& batch) override;
+  Status run_layers(const ForwardBatch& batch) override;
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
@@ -78,12 +65,9 @@ class Qwen4ExpModel final : public Model {
   std::vector<std::string> load_notes() const override;
   std::string input_token_problem(int32_t id) const override;
 
-  Status start_kv_statistics() override { return core_.start_kv_statistics(); }
-  Result<std::vector<LayerKvStats>> kv_statistics() override { return core_.kv_stats.read(); }
   KvCacheView kv_cache(int64_t layer) const override {
     return layers_[size_t(layer)].qsa ? qsa_cache(size_t(layer)).kv : KvCacheView{};
   }
-  void stop_kv_statistics() override { core_.kv_stats.stop(); }
 
  private:
   // Zero states, an EOS-filled n-gram history: a slot as a new sequence finds it.
@@ -110,7 +94,6 @@ class Qwen4ExpModel final : public Model {
   Qwen4ExpModel();
   QsaLayerCache qsa_cache(size_t layer) const;
 
-  ModelCore core_;
   int64_t skipped_tensors_ = 0;
 
   HyperConnectionShape hc_shape_;
