@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -124,6 +125,44 @@ class EngineSampling : public ::testing::TestWithParam<std::string> {
     return p;
   }
 
+  // Six seeded requests (prompts of 5-34 tokens, 12 tokens each; make(i) gives request i's
+  // parameters) batched over a pool that preempts each get the tokens they get alone, and at least
+  // one differs from its greedy run. With on_host, each also equals its run with logprobs asked,
+  // which sends its rows to the host sampler.
+  void expect_seeded_batch_equals_alone(uint64_t seed,
+                                        const std::function<RequestParams(int)>& make,
+                                        bool on_host) {
+    std::mt19937_64 rng{seed};
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<RequestParams> params;
+    for (int i = 0; i < 6; ++i) {
+      prompts.push_back(random_prompt(rng, 5 + int64_t(rng() % 30)));
+      params.push_back(make(i));
+      params.back().max_tokens = 12;
+    }
+    auto batched = load(/*n_blocks=*/10, /*max_seqs=*/8, /*max_batch_tokens=*/32);
+    ASSERT_NE(batched, nullptr);
+    const std::vector<Run> together = run_all(*batched, prompts, params);
+    EXPECT_GT(preemptions_, 0);
+    int differs_from_greedy = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const std::vector<Run> alone = run_all(*reference_, {prompts[i]}, {params[i]});
+      EXPECT_EQ(together[i].tokens, alone[0].tokens) << "request " << i;
+      EXPECT_EQ(together[i].tokens.size(), 12u);
+      if (on_host) {
+        RequestParams host = params[i];
+        host.logprobs = 0;
+        EXPECT_EQ(run_all(*reference_, {prompts[i]}, {host})[0].tokens, alone[0].tokens)
+            << "request " << i;
+      }
+      RequestParams greedy = params[i];
+      greedy.sampling.temperature = 0.0;
+      differs_from_greedy +=
+          run_all(*reference_, {prompts[i]}, {greedy})[0].tokens != alone[0].tokens;
+    }
+    EXPECT_GT(differs_from_greedy, 0) << "the draws were all greedy";
+  }
+
   TempDir tmp_;
   std::unique_ptr<Checkpoint> ckpt_;
   std::unique_ptr<Backend> backend_;
@@ -132,16 +171,11 @@ class EngineSampling : public ::testing::TestWithParam<std::string> {
   int64_t preemptions_ = 0;
 };
 
-// Each seeded request draws from its own generator: batched with others (chunked prefill, a pool
+// Each seeded request draws with its own seed and draw numbers: batched with others (chunked prefill, a pool
 // small enough to preempt), it samples the tokens it samples alone.
 TEST_P(EngineSampling, SeededSamplingIsTheSameAloneAndInABatch) {
-  std::mt19937_64 rng{5};
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<RequestParams> params;
-  for (int i = 0; i < 6; ++i) {
-    prompts.push_back(random_prompt(rng, 5 + int64_t(rng() % 30)));
+  expect_seeded_batch_equals_alone(5, [](int i) {
     RequestParams p;
-    p.max_tokens = 12;
     p.sampling.temperature = 0.9;
     p.sampling.top_k = 50;
     p.sampling.top_p = 0.95;
@@ -150,23 +184,8 @@ TEST_P(EngineSampling, SeededSamplingIsTheSameAloneAndInABatch) {
     p.sampling.frequency_penalty = 0.1;
     p.sampling.repetition_penalty = 1.1;
     p.sampling.seed = 100 + uint64_t(i);
-    params.push_back(p);
-  }
-  auto batched = load(/*n_blocks=*/10, /*max_seqs=*/8, /*max_batch_tokens=*/32);
-  ASSERT_NE(batched, nullptr);
-  const std::vector<Run> together = run_all(*batched, prompts, params);
-  EXPECT_GT(preemptions_, 0);
-  int differs_from_greedy = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const std::vector<Run> alone = run_all(*reference_, {prompts[i]}, {params[i]});
-    EXPECT_EQ(together[i].tokens, alone[0].tokens) << "request " << i;
-    EXPECT_EQ(together[i].tokens.size(), 12u);
-    RequestParams greedy = params[i];
-    greedy.sampling.temperature = 0.0;
-    differs_from_greedy += run_all(*reference_, {prompts[i]}, {greedy})[0].tokens !=
-                           alone[0].tokens;
-  }
-  EXPECT_GT(differs_from_greedy, 0) << "the draws were all greedy";
+    return p;
+  }, /*on_host=*/false);
 }
 
 // Rows that need only the logits (temperature, min_p, a seed) are drawn by the backend
@@ -174,36 +193,13 @@ TEST_P(EngineSampling, SeededSamplingIsTheSameAloneAndInABatch) {
 // the host sampler. Both apply one draw rule with the same draw numbers, so the tokens are the
 // same on either path, alone or batched with preemption.
 TEST_P(EngineSampling, BackendDrawsEqualHostDrawsAloneAndInABatch) {
-  std::mt19937_64 rng{9};
-  std::vector<std::vector<int32_t>> prompts;
-  std::vector<RequestParams> params;
-  for (int i = 0; i < 6; ++i) {
-    prompts.push_back(random_prompt(rng, 5 + int64_t(rng() % 30)));
+  expect_seeded_batch_equals_alone(9, [](int i) {
     RequestParams p;
-    p.max_tokens = 12;
     p.sampling.temperature = 0.8 + 0.1 * i;
     p.sampling.min_p = i % 2 == 0 ? 0.0 : 0.02;
     p.sampling.seed = 500 + uint64_t(i);
-    params.push_back(p);
-  }
-  auto batched = load(/*n_blocks=*/10, /*max_seqs=*/8, /*max_batch_tokens=*/32);
-  ASSERT_NE(batched, nullptr);
-  const std::vector<Run> together = run_all(*batched, prompts, params);
-  EXPECT_GT(preemptions_, 0);
-  int differs_from_greedy = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const std::vector<Run> alone = run_all(*reference_, {prompts[i]}, {params[i]});
-    EXPECT_EQ(together[i].tokens, alone[0].tokens) << "request " << i;
-    RequestParams on_host = params[i];
-    on_host.logprobs = 0;
-    EXPECT_EQ(run_all(*reference_, {prompts[i]}, {on_host})[0].tokens, alone[0].tokens)
-        << "request " << i;
-    RequestParams greedy = params[i];
-    greedy.sampling.temperature = 0.0;
-    differs_from_greedy += run_all(*reference_, {prompts[i]}, {greedy})[0].tokens !=
-                           alone[0].tokens;
-  }
-  EXPECT_GT(differs_from_greedy, 0) << "the draws were all greedy";
+    return p;
+  }, /*on_host=*/true);
 }
 
 TEST_P(EngineSampling, MinTokensSuppressesEosAndIgnoreEosRunsOn) {
