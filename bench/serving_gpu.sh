@@ -24,12 +24,17 @@ B=build-gpu90
 } | tee -a "$OUT/env.txt"
 
 t0=$(date +%s)
-if [ ! -f $B/build.ninja ]; then
+if [ ! -d $B ] && [ -f out/gpubin.tar.xz ]; then
+  scripts/gpu_prebuilt.sh unpack
+  source scripts/gpu_env.sh
+elif [ ! -f $B/build.ninja ]; then
   cmake -S . -B $B -G Ninja -DE4KV_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_BUILD_TYPE=Release >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 fi
-cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp ${EXTRA_TARGETS:-} \
-  >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+if [ -f $B/build.ninja ]; then
+  cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp ${EXTRA_TARGETS:-} \
+    >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+fi
 echo "build: $(($(date +%s) - t0)) s"
 if [ ! -f "$CKPT/config.json" ]; then
   t0=$(date +%s)

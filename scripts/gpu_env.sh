@@ -19,3 +19,7 @@ if [ -d "$E4KV_DEPS" ]; then
   export PKG_CONFIG_SYSROOT_DIR="$E4KV_DEPS"
   export PKG_CONFIG_LIBDIR="$E4KV_LIB/pkgconfig:$E4KV_LIB/openblas-pthread/pkgconfig"
 fi
+# Libraries packed with the prebuilt binaries (scripts/gpu_prebuilt.sh).
+if [ -d "$E4KV_ROOT/build-gpu90/lib" ]; then
+  export LD_LIBRARY_PATH="$E4KV_ROOT/build-gpu90/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
