@@ -9,6 +9,7 @@ packages=(
   libpcre2-dev      # the tokenizer's pre-tokenizer regexes
   libopenblas-dev   # the CPU backend's GEMMs
   libicu-dev        # the tokenizer's Unicode normalizers (NFC, ...)
+  libcpp-httplib-dev  # `e4kv serve`
   clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
 )
 
