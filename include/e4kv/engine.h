@@ -26,7 +26,9 @@
 // Per request, outputs come in order: zero or more incremental outputs (new token ids and the
 // text that became final with them), then exactly one final output (finished = true, with the
 // finish reason and the usage). Every request that submit() accepted gets its final output, also
-// when it is aborted, fails, or the engine is destroyed first.
+// when it is aborted, fails, or the engine is destroyed first. A request with n > 1 completions
+// has that sequence for each completion (CompletionOutput::index), interleaved; the last output
+// of the request has request_finished = true.
 //
 // Shutdown: the destructor aborts every request not yet finished (its final output has
 // finish_reason "abort"), delivers those final outputs, and joins the loop before it returns.
@@ -119,10 +121,16 @@ struct EngineConfig {
   // Text in a chat message that spells a control token (<|im_end|>) becomes that token, as
   // encoding transformers' apply_chat_template output does; by default it stays text.
   bool special_tokens_in_content = false;
+  // A Jinja chat template file used instead of the checkpoint's (vLLM's --chat-template); empty:
+  // the checkpoint's own.
+  std::string chat_template;
 };
 
 // vLLM's sampling and request fields, their names and meanings.
 struct SamplingParams {
+  // Completions of the prompt (1..64, and at most max_num_seqs): the prompt is computed once,
+  // completion i samples with seed + i.
+  int64_t n = 1;
   int64_t max_tokens = 16;   // new tokens at most (also cut at max_model_len)
   int64_t min_tokens = 0;    // no stop (id, EOS or string) before this many tokens
   double temperature = 0.0;  // 0: greedy
@@ -148,6 +156,16 @@ struct ChatMessage {
   std::string content;
 };
 
+// A chat in OpenAI's JSON form, for what ChatMessage cannot say (content parts, tool calls, tool
+// results, names), with the template's other inputs. Every field is JSON text.
+struct ChatJson {
+  std::string messages;  // an array of message objects, passed to the template as given
+  std::string tools;     // empty, or an array of {"type": "function", "function": {...}}
+  std::string template_kwargs;  // empty, or an object of extra template variables
+  // Unset: the generation prompt unless the last message is the assistant's.
+  std::optional<bool> add_generation_prompt;
+};
+
 // What to complete: text (encoded with the model's tokenizer, special tokens added), token ids as
 // they are, or chat messages (rendered with the model's chat template, with the generation prompt
 // unless the last message is the assistant's).
@@ -157,10 +175,12 @@ struct Prompt {
   Prompt(const char* s) : text(s) {}                                    // NOLINT
   Prompt(std::vector<int32_t> ids) : token_ids(std::move(ids)) {}       // NOLINT
   Prompt(std::vector<ChatMessage> chat) : messages(std::move(chat)) {}  // NOLINT
+  Prompt(ChatJson chat) : chat_json(std::move(chat)) {}                 // NOLINT
 
   std::optional<std::string> text;
   std::optional<std::vector<int32_t>> token_ids;
   std::optional<std::vector<ChatMessage>> messages;
+  std::optional<ChatJson> chat_json;
 };
 
 struct TopLogprob {
@@ -189,6 +209,7 @@ using RequestId = uint64_t;
 // One output of one request: what is new since its previous output.
 struct CompletionOutput {
   RequestId request_id = 0;
+  int32_t index = 0;  // the completion, 0..n-1
   std::string text;                      // text that became final with this output (may be empty)
   std::vector<int32_t> token_ids;        // tokens generated since the previous output
   std::vector<Logprob> logprobs;         // [token_ids.size()] when the request asked for logprobs
@@ -201,12 +222,18 @@ struct CompletionOutput {
   std::string stop_string;     // the stop string that matched
   int32_t stop_token_id = -1;  // the stop or EOS id that matched
   std::string error;
-  Usage usage;  // the request's counts so far (final on the final output)
+  Usage usage;  // the request's counts so far, all completions (final on the request's last)
+  // The request's last output (every completion finished); the same as finished for n = 1.
+  bool request_finished = false;
+  // On the request's last output: seconds from submit() until its first forward; -1 when it
+  // never ran (aborted or refused while waiting).
+  double queue_seconds = -1.0;
 };
 
 // A whole completion (generate(), RequestStream::collect()).
 struct Completion {
   RequestId request_id = 0;
+  int32_t index = 0;
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<Logprob> logprobs;
@@ -225,10 +252,32 @@ class RequestStream {
  public:
   virtual ~RequestStream() = default;
   virtual RequestId id() const = 0;
-  // The next output, waiting for it; nullopt after the final one was returned.
+  // The next output, waiting for it; nullopt after the request's last one was returned.
   virtual std::optional<CompletionOutput> next() = 0;
-  // Every remaining output merged into one completion (waits for the final output).
+  // Every remaining output merged into one completion (waits for the final output); for n > 1,
+  // completion 0 (the others are dropped: use collect_all()).
   virtual Completion collect() = 0;
+  // Every remaining output merged, one completion per index.
+  virtual std::vector<Completion> collect_all() = 0;
+};
+
+// What the engine holds now (stats()): a snapshot taken by the loop after each step.
+struct EngineStats {
+  int64_t running = 0;  // sequences in the running batch
+  int64_t waiting = 0;  // sequences waiting (new, or preempted), and requests not yet admitted
+  int64_t kv_blocks_total = 0;
+  int64_t kv_blocks_used = 0;
+  int64_t block_size = 0;
+  int64_t kv_pool_tokens = 0;          // kv_blocks_total * block_size
+  int64_t kv_fp16_equivalent_tokens = 0;  // what the same bytes hold as an FP16 cache
+  std::string kv_cache_dtype;          // "fp16" or "fp8_e4m3"
+  // "calibrated", "unit" (every scale 1.0, a negative control), or "none" (an FP16 cache).
+  std::string kv_scales;
+  // Running totals since start.
+  int64_t preemptions = 0;
+  int64_t prompt_tokens = 0;      // of admitted requests
+  int64_t generation_tokens = 0;  // delivered
+  int64_t kv_nonfinite_inputs = 0;  // inf/NaN K/V values the cache writes refused
 };
 
 class LLMEngine {
@@ -269,6 +318,11 @@ class LLMEngine {
   int64_t max_model_len() const;
   // What loading said: the pool line, and for an E4M3 cache the K/V scale summary.
   const std::vector<std::string>& notes() const;
+  // The loop's latest snapshot (any thread).
+  EngineStats stats() const;
+  // The token ids submit() would run for `prompt` (text, token ids or a chat), checked as
+  // submit() checks a prompt. add_special_tokens applies to text only.
+  Result<std::vector<int32_t>> tokenize(const Prompt& prompt, bool add_special_tokens = true);
   // Token ids <-> text with the model's tokenizer (errors: no tokenizer.json). Any thread.
   Result<std::vector<int32_t>> encode(const std::string& text,
                                       bool add_special_tokens = true) const;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <map>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -57,6 +59,7 @@ Status field_error(const std::string& field, const std::string& detail) {
 
 void merge(Completion& into, const CompletionOutput& out) {
   into.request_id = out.request_id;
+  into.index = out.index;
   into.text += out.text;
   into.token_ids.insert(into.token_ids.end(), out.token_ids.begin(), out.token_ids.end());
   into.logprobs.insert(into.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
@@ -90,13 +93,23 @@ class StreamImpl final : public RequestStream {
     state_->cv.wait(lock, [&] { return !state_->queue.empty(); });
     CompletionOutput out = std::move(state_->queue.front());
     state_->queue.pop_front();
-    if (out.finished) state_->final_returned = true;
+    if (out.request_finished) state_->final_returned = true;
     return out;
   }
   Completion collect() override {
-    Completion all;
-    all.request_id = id_;
-    while (std::optional<CompletionOutput> out = next()) merge(all, *out);
+    std::vector<Completion> all = collect_all();
+    return std::move(all.front());
+  }
+  std::vector<Completion> collect_all() override {
+    std::map<int32_t, Completion> by_index;
+    by_index[0].request_id = id_;
+    while (std::optional<CompletionOutput> out = next()) merge(by_index[out->index], *out);
+    std::vector<Completion> all;
+    for (auto& [index, completion] : by_index) {
+      completion.request_id = id_;
+      completion.index = index;
+      all.push_back(std::move(completion));
+    }
     return all;
   }
 
@@ -118,6 +131,15 @@ class LLMEngine::Impl {
         engine_(*loaded_.model,
                 e4kv::EngineConfig{config.max_num_batched_tokens, config.max_num_seqs}) {
     if (tokenizer_) processor_.emplace(*tokenizer_);
+    stats_.kv_blocks_total = loaded_.model->n_blocks();
+    stats_.block_size = loaded_.model->block_size();
+    stats_.kv_pool_tokens = loaded_.pool.n_tokens;
+    stats_.kv_fp16_equivalent_tokens = loaded_.pool.fp16_equivalent_tokens;
+    const KvScales& scales = loaded_.model->kv_scales();
+    stats_.kv_cache_dtype = kv_cache_dtype_name(loaded_.model->kv_cache_dtype());
+    stats_.kv_scales = scales.dtype != KvCacheDtype::kE4m3 ? "none"
+                       : scales.negative_control()        ? "unit"
+                                                          : "calibrated";
     loop_ = std::thread([this] { run_loop(); });
   }
 
@@ -134,9 +156,10 @@ class LLMEngine::Impl {
                            OutputCallback on_output) {
     Result<RequestParams> params = request_params(sp);
     if (!params.ok()) return params.status();
-    Result<std::vector<int32_t>> ids = encode_prompt(prompt);
+    Result<std::vector<int32_t>> ids = encode_prompt(prompt, /*add_special_tokens=*/true);
     if (!ids.ok()) return ids.status();
     if (Status fits = check_fits(*ids, params->max_tokens); !fits.ok()) return fits;
+    const auto submitted = std::chrono::steady_clock::now();
     const RequestId id = next_id_.fetch_add(1) + 1;
     {
       std::lock_guard lock(mu_);
@@ -146,8 +169,8 @@ class LLMEngine::Impl {
       if (!broken_.empty()) {
         return Status::error(cat("the engine failed and takes no more requests: ", broken_));
       }
-      inbox_.push_back(
-          Pending{id, std::move(ids).value(), std::move(params).value(), std::move(on_output)});
+      inbox_.push_back(Pending{id, std::move(ids).value(), std::move(params).value(),
+                               std::move(on_output), submitted});
       in_flight_.insert(id);
     }
     cv_.notify_one();
@@ -169,23 +192,37 @@ class LLMEngine::Impl {
   const std::vector<std::string>& notes() const { return loaded_.notes; }
   const Tokenizer* tokenizer() const { return tokenizer_ ? &*tokenizer_ : nullptr; }
 
+  EngineStats stats() const {
+    std::lock_guard lock(stats_mu_);
+    return stats_;
+  }
+
+  Result<std::vector<int32_t>> tokenize(const Prompt& prompt, bool add_special_tokens) {
+    return encode_prompt(prompt, add_special_tokens);
+  }
+
  private:
+  using Clock = std::chrono::steady_clock;
   struct Pending {
     RequestId id = 0;
     std::vector<int32_t> prompt;
     RequestParams params;
     OutputCallback on_output;
+    Clock::time_point submitted;
   };
   // A request the loop has admitted (loop thread only).
   struct Live {
     RequestId id = 0;
     OutputCallback on_output;
     Usage usage;
+    Clock::time_point submitted;
+    double queue_seconds = -1.0;  // set at its first forward
   };
 
   // The public fields as the internal engine's, checked (errors name the public field).
   Result<RequestParams> request_params(const SamplingParams& sp) const {
     RequestParams p;
+    p.n = sp.n;
     p.sampling.temperature = sp.temperature;
     p.sampling.top_p = sp.top_p;
     p.sampling.top_k = sp.top_k;
@@ -214,6 +251,10 @@ class LLMEngine::Impl {
     if (e4kv::Status valid = validate_request_params(p, vocab_size()); !valid.ok()) {
       return to_public(valid);
     }
+    if (const int64_t max_seqs = engine_.scheduler().config().max_num_seqs; p.n > max_seqs) {
+      return field_error("n", cat(p.n, " completions cannot run at once: the engine runs at most ",
+                                  max_seqs, " sequences (max_num_seqs)"));
+    }
     if (!p.stop.empty() && !tokenizer_) {
       return field_error("stop", cat("stop strings need the model's tokenizer.json to read the "
                                      "output as text; ",
@@ -222,9 +263,9 @@ class LLMEngine::Impl {
     return p;
   }
 
-  Result<std::vector<int32_t>> encode_prompt(const Prompt& prompt) {
+  Result<std::vector<int32_t>> encode_prompt(const Prompt& prompt, bool add_special_tokens) {
     const int n_kinds = int(prompt.text.has_value()) + int(prompt.token_ids.has_value()) +
-                        int(prompt.messages.has_value());
+                        int(prompt.messages.has_value()) + int(prompt.chat_json.has_value());
     if (n_kinds != 1) {
       return field_error("prompt", "give exactly one of text, token_ids and messages");
     }
@@ -241,7 +282,11 @@ class LLMEngine::Impl {
         if (const std::optional<size_t> bad = first_invalid_utf8(*prompt.text)) {
           return field_error("prompt", cat("invalid UTF-8 at byte ", *bad));
         }
-        ids = tokenizer_->encode(*prompt.text, /*add_special_tokens=*/true);
+        ids = tokenizer_->encode(*prompt.text, add_special_tokens);
+      } else if (prompt.chat_json) {
+        Result<RenderedPrompt> rendered = render_json(*prompt.chat_json);
+        if (!rendered.ok()) return rendered.status();
+        ids = tokenizer_->encode(rendered->text, /*add_special_tokens=*/false, rendered->untrusted);
       } else {
         if (prompt.messages->empty()) return field_error("messages", "no messages");
         nlohmann::ordered_json messages = nlohmann::ordered_json::array();
@@ -272,12 +317,55 @@ class LLMEngine::Impl {
     return ids;
   }
 
+  // A chat in JSON form (ChatJson): parsed and checked here, rendered by render().
+  Result<RenderedPrompt> render_json(const ChatJson& chat) {
+    using nlohmann::ordered_json;
+    auto parse = [](const std::string& text, const char* field) -> Result<ordered_json> {
+      if (const std::optional<size_t> bad = first_invalid_utf8(text)) {
+        return field_error(field, cat("invalid UTF-8 at byte ", *bad));
+      }
+      ordered_json value = ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (value.is_discarded()) return field_error(field, "not valid JSON");
+      return value;
+    };
+    Result<ordered_json> messages = parse(chat.messages, "messages");
+    if (!messages.ok()) return messages.status();
+    if (!messages->is_array()) return field_error("messages", "must be an array of messages");
+    if (messages->empty()) return field_error("messages", "no messages");
+    for (size_t i = 0; i < messages->size(); ++i) {
+      const ordered_json& m = (*messages)[i];
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+        return field_error("messages", cat("message ", i, " is not an object with a \"role\""));
+      }
+    }
+    ChatRenderOptions options;
+    if (!chat.tools.empty()) {
+      Result<ordered_json> tools = parse(chat.tools, "tools");
+      if (!tools.ok()) return tools.status();
+      if (!tools->is_array()) return field_error("tools", "must be an array of tools");
+      options.tools = std::move(tools).value();
+    }
+    if (!chat.template_kwargs.empty()) {
+      Result<ordered_json> extra = parse(chat.template_kwargs, "chat_template_kwargs");
+      if (!extra.ok()) return extra.status();
+      if (!extra->is_object()) return field_error("chat_template_kwargs", "must be an object");
+      options.extra = std::move(extra).value();
+    }
+    options.add_generation_prompt =
+        chat.add_generation_prompt.value_or(messages->back()["role"] != "assistant");
+    options.special_tokens_in_content = config_.special_tokens_in_content;
+    return render(*messages, options);
+  }
+
   // The chat template is loaded on first use; rendering is serialised (one template object).
   Result<RenderedPrompt> render(const nlohmann::ordered_json& messages,
                                 const ChatRenderOptions& options) {
     std::lock_guard lock(chat_mu_);
     if (!chat_template_) {
-      e4kv::Result<ChatTemplate> loaded = ChatTemplate::load(config_.model);
+      e4kv::Result<ChatTemplate> loaded =
+          config_.chat_template.empty()
+              ? ChatTemplate::load(config_.model)
+              : ChatTemplate::load_file(config_.chat_template, config_.model);
       if (!loaded.ok()) return field_error("messages", loaded.message());
       chat_template_ = std::make_unique<ChatTemplate>(std::move(loaded).value());
     }
@@ -325,6 +413,7 @@ class LLMEngine::Impl {
       }
       for (Pending& p : adds) admit(p);
       for (RequestId id : aborts) abort_live(id, "abort", "");
+      publish_stats();
       if (stop) {
         std::vector<RequestId> all;
         for (const auto& [engine_id, live] : live_) all.push_back(live.id);
@@ -346,6 +435,12 @@ class LLMEngine::Impl {
         for (RequestId id : all) abort_live(id, "error", updates.message());
         continue;
       }
+      const auto now = Clock::now();
+      for (const e4kv::RequestId engine_id : engine_.take_first_runs()) {
+        auto it = live_.find(engine_id);
+        if (it == live_.end()) continue;
+        it->second.queue_seconds = std::chrono::duration<double>(now - it->second.submitted).count();
+      }
       std::vector<RequestOutput> outputs;
       if (processor_) {
         outputs = processor_->process(*updates, &engine_);
@@ -353,12 +448,30 @@ class LLMEngine::Impl {
         for (const RequestUpdate& u : *updates) outputs.push_back(output_without_text(u));
       }
       for (const RequestOutput& o : outputs) deliver(o);
+      publish_stats();
     }
+  }
+
+  void publish_stats() {
+    const Scheduler& scheduler = engine_.scheduler();
+    size_t not_admitted = 0;
+    {
+      std::lock_guard lock(mu_);
+      not_admitted = inbox_.size();
+    }
+    std::lock_guard lock(stats_mu_);
+    stats_.running = scheduler.n_running();
+    stats_.waiting = scheduler.n_waiting() + int64_t(not_admitted);
+    stats_.kv_blocks_used = scheduler.n_used_blocks();
+    stats_.preemptions = scheduler.n_preemptions();
+    stats_.prompt_tokens = prompt_tokens_;
+    stats_.generation_tokens = generation_tokens_;
+    stats_.kv_nonfinite_inputs = int64_t(loaded_.model->kv_nonfinite_inputs());
   }
 
   void admit(Pending& p) {
     e4kv::Result<e4kv::RequestId> engine_id = engine_.add_request(p.prompt, p.params);
-    Live live{p.id, std::move(p.on_output), {}};
+    Live live{p.id, std::move(p.on_output), {}, p.submitted};
     live.usage.prompt_tokens = int64_t(p.prompt.size());
     live.usage.total_tokens = live.usage.prompt_tokens;
     if (!engine_id.ok()) {
@@ -370,9 +483,11 @@ class LLMEngine::Impl {
       out.finish_reason = "error";
       out.error = engine_id.message();
       out.usage = live.usage;
+      out.request_finished = true;
       finish_and_call(live, out);
       return;
     }
+    prompt_tokens_ += int64_t(p.prompt.size());
     if (processor_) processor_->add_request(*engine_id, p.params);
     engine_ids_[p.id] = *engine_id;
     live_.emplace(*engine_id, std::move(live));
@@ -383,17 +498,24 @@ class LLMEngine::Impl {
     auto it = engine_ids_.find(id);
     if (it == engine_ids_.end()) return;
     const e4kv::RequestId engine_id = it->second;
+    std::vector<RequestOutput> outs;
     if (processor_) {
-      (void)processor_->abort(engine_id, &engine_);
+      outs = processor_->abort(engine_id, &engine_);
     } else {
       engine_.abort(engine_id);
     }
-    RequestOutput out;
-    out.id = engine_id;
-    out.finished = true;
-    out.finish_reason = reason;
-    out.error = error;
-    deliver(out);
+    if (outs.empty()) {  // no processor: one final output stands for the request
+      RequestOutput out;
+      out.id = engine_id;
+      out.finished = true;
+      out.request_finished = true;
+      outs.push_back(out);
+    }
+    for (RequestOutput& out : outs) {
+      out.finish_reason = reason;
+      out.error = error;
+      deliver(out);
+    }
   }
 
   void deliver(const RequestOutput& o) {
@@ -402,12 +524,14 @@ class LLMEngine::Impl {
     Live& live = it->second;
     CompletionOutput out;
     out.request_id = live.id;
+    out.index = o.index;
     out.text = o.new_text;
     out.token_ids = o.new_tokens;
     out.logprobs = public_logprobs(o.logprobs);
     out.prompt_logprobs = public_logprobs(o.prompt_logprobs);
     out.prompt_logprobs_start = o.prompt_logprobs_start;
     live.usage.completion_tokens += int64_t(o.new_tokens.size());
+    generation_tokens_ += int64_t(o.new_tokens.size());
     live.usage.total_tokens = live.usage.prompt_tokens + live.usage.completion_tokens;
     out.usage = live.usage;
     if (!o.finished) {
@@ -419,6 +543,12 @@ class LLMEngine::Impl {
     out.stop_string = o.stop_string;
     out.stop_token_id = o.stop_token;
     out.error = o.error;
+    if (!o.request_finished) {
+      call(live, out);
+      return;
+    }
+    out.request_finished = true;
+    out.queue_seconds = live.queue_seconds;
     Live done = std::move(live);
     live_.erase(it);
     engine_ids_.erase(done.id);
@@ -465,6 +595,11 @@ class LLMEngine::Impl {
   const std::optional<Tokenizer> tokenizer_;
   const std::vector<int32_t> eos_ids_;
   std::atomic<RequestId> next_id_{0};
+
+  mutable std::mutex stats_mu_;
+  EngineStats stats_;  // under stats_mu_
+  int64_t prompt_tokens_ = 0;      // loop thread
+  int64_t generation_tokens_ = 0;  // loop thread
 
   std::mutex chat_mu_;
   std::unique_ptr<ChatTemplate> chat_template_;  // under chat_mu_
@@ -513,6 +648,10 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
   setup.max_seqs = config.max_num_seqs;
   setup.max_batch_tokens = config.max_num_batched_tokens;
   setup.option_name = &config_option_name;
+  if (!config.chat_template.empty() && !fs::is_regular_file(config.chat_template, ec)) {
+    return field_error("chat_template", cat(config.chat_template,
+                                            ": not a file; give a Jinja chat template file"));
+  }
 
   // The tokenizer and EOS ids first: a broken tokenizer.json costs no model load.
   std::optional<Tokenizer> tokenizer;
@@ -585,6 +724,12 @@ int64_t LLMEngine::max_model_len() const {
 }
 const std::vector<std::string>& LLMEngine::notes() const {
   return impl_->notes();
+}
+EngineStats LLMEngine::stats() const {
+  return impl_->stats();
+}
+Result<std::vector<int32_t>> LLMEngine::tokenize(const Prompt& prompt, bool add_special_tokens) {
+  return impl_->tokenize(prompt, add_special_tokens);
 }
 
 Result<std::vector<int32_t>> LLMEngine::encode(const std::string& text,

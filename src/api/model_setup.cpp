@@ -214,9 +214,7 @@ std::string bytes_text(int64_t bytes) {
   return buf;
 }
 
-std::string pool_line(const Model& model, const KvCacheLayout& layout) {
-  Result<KvPoolSummary> pool = kv_pool_summary(layout, model.kv_cache_dtype(), model.n_blocks(),
-                                               model.max_model_len());
+std::string pool_line(const Model& model, const Result<KvPoolSummary>& pool) {
   if (!pool.ok()) return "";  // a pool that loaded has bytes that fit; nothing to say otherwise
   char concurrency[32];
   std::snprintf(concurrency, sizeof(concurrency), "%.2f", pool->max_concurrency);
@@ -303,7 +301,11 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   E4KV_ASSIGN_OR_RETURN(loaded.model,
                         e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
   loaded.notes = loaded.model->load_notes();
-  if (std::string line = pool_line(*loaded.model, *layout); !line.empty()) {
+  Result<KvPoolSummary> pool = kv_pool_summary(*layout, loaded.model->kv_cache_dtype(),
+                                               loaded.model->n_blocks(),
+                                               loaded.model->max_model_len());
+  if (pool.ok()) loaded.pool = *pool;
+  if (std::string line = pool_line(*loaded.model, pool); !line.empty()) {
     loaded.notes.push_back(std::move(line));
   }
   if (dtype == KvCacheDtype::kE4m3) loaded.notes.push_back(loaded.model->kv_scales().summary);

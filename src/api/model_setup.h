@@ -18,6 +18,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
+#include "kv/capacity.h"
 #include "model/model.h"
 
 namespace e4kv {
@@ -63,6 +64,8 @@ struct LoadedModel {
   // tokens, the maximum concurrency at the max model length), then for an E4M3 cache the K/V
   // scale summary (in unit mode it is the NEGATIVE CONTROL line).
   std::vector<std::string> notes;
+  // The pool's size (blocks, tokens, bytes, FP16-equivalent tokens), as the pool line says.
+  KvPoolSummary pool;
 };
 
 // "cpu", "cuda" or "cuda:N". A library built without the CUDA backend says so for cuda. Errors

@@ -124,6 +124,26 @@ Result<ChatTemplate> ChatTemplate::load(const std::filesystem::path& dir, std::s
   return loaded;
 }
 
+Result<ChatTemplate> ChatTemplate::load_file(const std::filesystem::path& file,
+                                             const std::filesystem::path& dir) {
+  const std::filesystem::path config_path = dir / "tokenizer_config.json";
+  E4KV_ASSIGN_OR_RETURN(std::optional<ordered_json> config, read_json_object(config_path));
+  std::optional<std::string> bos_token;
+  std::optional<std::string> eos_token;
+  if (config) {
+    E4KV_ASSIGN_OR_RETURN(bos_token, special_token(*config, config_path, "bos_token"));
+    E4KV_ASSIGN_OR_RETURN(eos_token, special_token(*config, config_path, "eos_token"));
+  }
+  E4KV_ASSIGN_OR_RETURN(std::optional<std::string> source, read_optional_file(file));
+  if (!source) {
+    return Status::error(cat(file.string(), ": no such chat template file; give a .jinja file"));
+  }
+  Result<ChatTemplate> loaded =
+      from_source(std::move(*source), std::move(bos_token), std::move(eos_token));
+  if (!loaded.ok()) return Status::error(cat(file.string(), ": ", loaded.message()));
+  return loaded;
+}
+
 Result<ChatTemplate> ChatTemplate::from_source(std::string source,
                                                std::optional<std::string> bos_token,
                                                std::optional<std::string> eos_token) {

@@ -55,6 +55,11 @@ class ChatTemplate {
   // unreadable or malformed files, a template that does not parse.
   static Result<ChatTemplate> load(const std::filesystem::path& dir, std::string_view name = {});
 
+  // The template in `file` (a .jinja file, vLLM's --chat-template), with bos_token / eos_token
+  // from the tokenizer_config.json of the checkpoint in `dir` when it has one.
+  static Result<ChatTemplate> load_file(const std::filesystem::path& file,
+                                        const std::filesystem::path& dir);
+
   // A template given as text; unset tokens are not defined while rendering.
   static Result<ChatTemplate> from_source(std::string source,
                                           std::optional<std::string> bos_token = std::nullopt,

@@ -239,6 +239,11 @@ Result<std::vector<RequestUpdate>> Engine::step() {
   E4KV_RETURN_IF_ERROR(model_.copy_blocks(plan.block_copies));
 
   for (const ScheduledChunk& chunk : plan.chunks) {
+    Request& request = requests_.at(sequences_.at(chunk.id).request);
+    if (!request.ran) {
+      request.ran = true;
+      first_runs_.push_back(sequences_.at(chunk.id).request);
+    }
     if (chunk.fresh_state) {
       E4KV_RETURN_IF_ERROR(release_slot(chunk.id));
       E4KV_RETURN_IF_ERROR(model_.begin_sequence(chunk.state_slot));

@@ -25,6 +25,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -128,6 +129,9 @@ class Engine {
   // leaves the others queued; only a broken model (freeing a slot fails) is an error here.
   Result<std::vector<RequestUpdate>> step();
 
+  // The requests whose first forward ran since the last call (for their queue time).
+  std::vector<RequestId> take_first_runs() { return std::exchange(first_runs_, {}); }
+
   bool has_unfinished() const { return scheduler_.has_work(); }
   const Scheduler& scheduler() const { return scheduler_; }
   Model& model() const { return model_; }
@@ -149,6 +153,7 @@ class Engine {
     // recomputes its rows and reports none twice).
     int64_t n_prompt_logprobs = 1;
     std::vector<int32_t> stop_set;  // stop_ids, and eos_ids unless ignore_eos
+    bool ran = false;               // a forward ran rows of it
   };
   // A sequence of the scheduler: whose it is and the model state slot it holds while running.
   struct SequenceInfo {
@@ -196,6 +201,7 @@ class Engine {
   Scheduler scheduler_;
   std::unordered_map<RequestId, Request> requests_;
   std::unordered_map<SequenceId, SequenceInfo> sequences_;
+  std::vector<RequestId> first_runs_;  // take_first_runs()
   RequestId next_id_ = 0;
   SequenceId next_seq_ = 0;
   // This step's update of each (request, completion).

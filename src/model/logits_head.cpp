@@ -44,6 +44,7 @@ Result<DeviceLogits> LogitsHead::logits(Backend& b, const StepContext& step, con
 Status LogitsHead::check_non_finite(Backend& b) const {
   unsigned long long counts[2] = {0, 0};
   b.copy_to_host(counts, non_finite_.data(), sizeof(counts));
+  non_finite_total_ += counts[0] + counts[1];
   if (counts[0] != 0 || counts[1] != 0) {
     return Status::error(cat("forward: ", counts[0], " non-finite K and ", counts[1],
                              " non-finite V values reached the KV cache (inf or NaN "

@@ -41,6 +41,8 @@ class LogitsHead {
                                     const FinalNorm& final_norm, StepProfiler* profiler) const;
   // Errors when a cache write of the step met a non-finite K or V value.
   Status check_non_finite(Backend& backend) const;
+  // What check_non_finite() found, summed over every check.
+  uint64_t non_finite_total() const { return non_finite_total_; }
 
  private:
   int64_t width_ = 0;
@@ -51,6 +53,7 @@ class LogitsHead {
   BackendBuffer hs_;          // [logit rows, hidden] act; empty when width == hidden
   BackendBuffer logits_;      // [logit rows, vocab] fp32
   BackendBuffer non_finite_;  // [2] unsigned long long
+  mutable uint64_t non_finite_total_ = 0;
 };
 
 }  // namespace e4kv

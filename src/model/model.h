@@ -169,6 +169,9 @@ class Model {
   // so no forward that runs other requests meets one.
   virtual std::string input_token_problem(int32_t /*id*/) const { return {}; }
 
+  // Inf/NaN K/V values the cache writes met (each fails its forward), counted since load.
+  virtual uint64_t kv_nonfinite_inputs() const { return 0; }
+
   // Marks each section of later forwards (embedding, each layer's mixer and ffn, the logits) on
   // `profiler`, which outlives its use here; nullptr (the default) marks nothing.
   virtual void set_step_profiler(StepProfiler* profiler) = 0;

@@ -38,5 +38,7 @@ void add_generate_command(CLI::App& app, Status& result);
 void add_logits_command(CLI::App& app, Status& result);
 // The serving benchmark through the engine (cmd_bench.cpp).
 void add_bench_command(CLI::App& app, Status& result);
+// The OpenAI-compatible server (cmd_serve.cpp).
+void add_serve_command(CLI::App& app, Status& result);
 
 }  // namespace e4kv::cli

@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   e4kv::cli::add_generate_command(app, result);
   e4kv::cli::add_logits_command(app, result);
   e4kv::cli::add_bench_command(app, result);
+  e4kv::cli::add_serve_command(app, result);
 
   try {
     app.parse(argc, argv);

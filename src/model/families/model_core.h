@@ -77,6 +77,9 @@ class CoreModel : public Model {
   Status start_kv_statistics() final { return core_.start_kv_statistics(); }
   Result<std::vector<LayerKvStats>> kv_statistics() final { return core_.kv_stats.read(); }
   void stop_kv_statistics() final { core_.kv_stats.stop(); }
+  uint64_t kv_nonfinite_inputs() const final {
+    return core_.head ? core_.head->non_finite_total() : 0;
+  }
 
   // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
   // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;

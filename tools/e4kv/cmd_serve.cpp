@@ -1,0 +1,172 @@
+// `e4kv serve MODEL`: the OpenAI-compatible server (serve/server.h) over the public engine.
+//
+// Start-up: the listener binds first (so /health answers 503 while the model loads), then the
+// engine loads — the scale gate fails closed here: its message, exit code 1 — then one warm-up
+// request runs, then /health says 200 and "e4kv serve: listening on http://HOST:PORT" goes to
+// stdout. SIGTERM and SIGINT stop accepting, give the requests in flight --shutdown-timeout seconds,
+// abort what is left, and exit 0.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+
+#include <pthread.h>
+
+#include "commands.h"
+#include "model_setup.h"
+#include "serve/server.h"
+
+namespace e4kv::cli {
+namespace {
+
+struct ServeArgs {
+  ModelFlags model;
+  serve::ServerConfig server;
+  int64_t max_num_seqs = 0;
+  int64_t max_num_batched_tokens = 0;
+  std::string chat_template;
+  bool special_tokens_in_content = false;
+  double shutdown_timeout = 30.0;
+  bool warmup = true;
+};
+
+Status run_serve(ServeArgs& args) {
+  E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
+  if (args.server.api_key.empty()) {
+    if (const char* key = std::getenv("E4KV_API_KEY"); key != nullptr) args.server.api_key = key;
+  }
+  if (args.server.served_model_name.empty()) {
+    args.server.served_model_name =
+        std::filesystem::path(args.model.model_dir).lexically_normal().filename().string();
+    if (args.server.served_model_name.empty()) args.server.served_model_name = args.model.model_dir;
+  }
+  args.server.version = E4KV_VERSION;
+
+  // Signals go to one thread that waits for them (set before any other thread starts).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  serve::Server server(args.server);
+  api::Result<int> port = server.bind();
+  if (!port.ok()) return Status::option_error("--port", port.message());
+  std::thread http([&] { server.run(); });
+  std::atomic<bool> start_failed{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    if (!start_failed.load()) {
+      std::fprintf(stderr, "e4kv serve: %s: finishing the requests in flight (at most %.0f s)\n",
+                   sig == SIGTERM ? "SIGTERM" : "SIGINT", args.shutdown_timeout);
+    }
+    server.shutdown(args.shutdown_timeout);
+  });
+
+  api::EngineConfig config;
+  config.model = args.model.model_dir;
+  config.device = args.model.device;
+  config.kv_cache_dtype = args.model.kv_cache_dtype;
+  config.kv_scales_mode = args.model.kv_scales;
+  config.block_size = args.model.block_size;
+  config.max_model_len = args.model.max_model_len;
+  config.max_num_seqs = args.max_num_seqs;
+  config.max_num_batched_tokens = args.max_num_batched_tokens;
+  config.kv_cache_memory_bytes = args.model.kv_cache_memory_bytes;
+  config.num_gpu_blocks_override = args.model.num_gpu_blocks_override;
+  config.gpu_memory_utilization = args.model.gpu_memory_utilization;
+  config.threads = args.model.threads;
+  config.special_tokens_in_content = args.special_tokens_in_content;
+  config.chat_template = args.chat_template;
+  api::Result<std::unique_ptr<api::LLMEngine>> engine = api::LLMEngine::create(config);
+  auto stop_threads = [&] {
+    start_failed.store(true);
+    // Wakes the signal thread, which stops the listener.
+    pthread_kill(waiter.native_handle(), SIGTERM);
+    waiter.join();
+    http.join();
+  };
+  if (!engine.ok()) {
+    stop_threads();
+    return Status::error(engine.message());
+  }
+  for (const std::string& note : (*engine)->notes()) std::fprintf(stderr, "%s\n", note.c_str());
+  if (args.warmup) {
+    // One short request through every part of the step before the first client's.
+    api::SamplingParams warm;
+    warm.max_tokens = 2;
+    api::Result<std::vector<api::Completion>> done =
+        (*engine)->generate({api::Prompt(std::vector<int32_t>{0, 1})}, warm);
+    if (!done.ok() || done->front().finish_reason == "error") {
+      stop_threads();
+      return Status::error("warm-up request failed: " +
+                           (done.ok() ? done->front().error : done.message()));
+    }
+  }
+  server.set_engine(engine->get());
+  std::printf("e4kv serve: listening on http://%s:%d\n", args.server.host.c_str(), *port);
+  std::fflush(stdout);
+  http.join();
+  waiter.join();
+  engine->reset();
+  std::fprintf(stderr, "e4kv serve: stopped\n");
+  return ok_status();
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app, Status& result) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics, a "
+               "chat page at /)");
+  add_model_flags(cmd, args->model);
+  add_pool_flags(cmd, args->model);
+  cmd->add_option("--host", args->server.host, "Address to listen on (default: loopback only)")
+      ->capture_default_str();
+  cmd->add_option("--port", args->server.port, "Port (0: any free port)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  cmd->add_option("--api-key", args->server.api_key,
+                  "Every /v1 route needs 'Authorization: Bearer KEY' (or set E4KV_API_KEY)");
+  cmd->add_option("--served-model-name", args->server.served_model_name,
+                  "The model's name in the API (default: the directory's name)");
+  cmd->add_option("--chat-template", args->chat_template,
+                  "A Jinja chat template file to use instead of the checkpoint's");
+  cmd->add_option("--tool-call-parser", args->server.tool_call_parser,
+                  "Parse tool calls out of chat outputs: hermes (<tool_call>{...}</tool_call>)")
+      ->check(CLI::IsMember({"hermes"}));
+  cmd->add_option("--reasoning-parser", args->server.reasoning_parser,
+                  "Return <think>...</think> as reasoning_content: qwen3")
+      ->check(CLI::IsMember({"qwen3"}));
+  cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences running at once (0: 64)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+  cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens,
+                  "Rows of one forward (0: the model's default)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 30));
+  cmd->add_option("--max-request-bytes", args->server.max_request_bytes,
+                  "Larger request bodies get 413")
+      ->check(CLI::Range(int64_t(1024), int64_t(1) << 32))
+      ->capture_default_str();
+  cmd->add_option("--max-connections", args->server.max_connections,
+                  "Requests handled at once; more get 429")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  cmd->add_option("--timeout", args->server.timeout_seconds,
+                  "Socket read and write timeout in seconds (slow clients)")
+      ->check(CLI::Range(1, 86400))
+      ->capture_default_str();
+  cmd->add_option("--shutdown-timeout", args->shutdown_timeout,
+                  "Seconds the requests in flight get to finish after SIGTERM or SIGINT")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
+                "Text in a chat message that spells a control token becomes that token");
+  cmd->add_flag("!--no-warmup", args->warmup, "Skip the warm-up request before serving");
+  cmd->callback([args, &result] { result = one_line(run_serve(*args)); });
+}
+
+}  // namespace e4kv::cli
