@@ -6,12 +6,13 @@
 // stdout. SIGTERM and SIGINT stop accepting, give the requests in flight --shutdown-timeout seconds,
 // abort what is left, and exit 0.
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <thread>
 
-#include <pthread.h>
+#include <unistd.h>
 
 #include "commands.h"
 #include "model_setup.h"
@@ -31,6 +32,13 @@ struct ServeArgs {
   bool warmup = true;
 };
 
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_stop_signal(int sig) {
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  (void)!::write(g_signal_pipe[1], &byte, 1);
+}
+
 Status run_serve(ServeArgs& args) {
   E4KV_RETURN_IF_ERROR(validate_model_flags(args.model));
   if (args.server.api_key.empty()) {
@@ -43,12 +51,14 @@ Status run_serve(ServeArgs& args) {
   }
   args.server.version = E4KV_VERSION;
 
-  // Signals go to one thread that waits for them (set before any other thread starts).
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGTERM and SIGINT become a byte in a pipe that one thread waits on (a handler, not a blocked
+  // mask: libraries start threads of their own before main, and any thread may take the signal).
+  if (::pipe(g_signal_pipe) != 0) return Status::error("serve: cannot create the signal pipe");
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
   serve::Server server(args.server);
@@ -57,8 +67,9 @@ Status run_serve(ServeArgs& args) {
   std::thread http([&] { server.run(); });
   std::atomic<bool> start_failed{false};
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&signals, &sig);
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
     if (!start_failed.load()) {
       std::fprintf(stderr, "e4kv serve: %s: finishing the requests in flight (at most %.0f s)\n",
                    sig == SIGTERM ? "SIGTERM" : "SIGINT", args.shutdown_timeout);
@@ -85,7 +96,8 @@ Status run_serve(ServeArgs& args) {
   auto stop_threads = [&] {
     start_failed.store(true);
     // Wakes the signal thread, which stops the listener.
-    pthread_kill(waiter.native_handle(), SIGTERM);
+    const unsigned char wake = 0;
+    (void)!::write(g_signal_pipe[1], &wake, 1);
     waiter.join();
     http.join();
   };
