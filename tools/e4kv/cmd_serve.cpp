@@ -16,9 +16,12 @@
 
 #include "commands.h"
 #include "model_setup.h"
+#ifdef E4KV_HAVE_SERVE
 #include "serve/server.h"
+#endif
 
 namespace e4kv::cli {
+#ifdef E4KV_HAVE_SERVE
 namespace {
 
 struct ServeArgs {
@@ -180,5 +183,16 @@ void add_serve_command(CLI::App& app, Status& result) {
   cmd->add_flag("!--no-warmup", args->warmup, "Skip the warm-up request before serving");
   cmd->callback([args, &result] { result = one_line(run_serve(*args)); });
 }
+#else
+void add_serve_command(CLI::App& app, Status& result) {
+  CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (not in this build)");
+  cmd->allow_extras();
+  cmd->callback([&result] {
+    result = Status::error(
+        "serve: this e4kv was built without cpp-httplib; install libcpp-httplib-dev (make setup "
+        "does) and rebuild");
+  });
+}
+#endif
 
 }  // namespace e4kv::cli
