@@ -7,6 +7,8 @@
 #   PHASE=setup     build and write the checkpoint
 #   PHASE=matrix    e4kv bench: CONCURRENCY x CONTEXT cells, FP16 and E4M3 at KV_BYTES
 #   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
+#   PHASE=serve     e4kv serve (E4M3, SERVE_BLOCKS blocks: small enough to preempt) under
+#                   bench/serve_load.py: 64 clients for LOAD_SECONDS, token-id prompts
 # Results (bench.json/md/svg per run, logs) go to $OUT. Usage: PHASE=... bench/serving_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,5 +66,26 @@ case "${PHASE:-setup}" in
         --kv-cache-memory-bytes "${WL_BYTES:-11700000000}" --concurrency 64 --context 16k \
         --output-tokens 256 --repeats 1
     done ;;
-  *) echo "PHASE=${PHASE}: expected setup, matrix or workload" >&2; exit 2 ;;
+  serve)
+    $B/e4kv serve "$CKPT" --device cuda --kv-scales unit --kv-cache-dtype fp8_e4m3 --port 0 \
+      --num-gpu-blocks-override "${SERVE_BLOCKS:-96}" --max-num-seqs 64 >"$OUT/serve.out" \
+      2>"$OUT/serve.err" &
+    pid=$!
+    port=""
+    for _ in $(seq 600); do
+      port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$OUT/serve.out" 2>/dev/null | sed 's/.*://')
+      [ -n "$port" ] && break
+      kill -0 $pid 2>/dev/null || break
+      sleep 0.5
+    done
+    if [ -z "$port" ]; then echo "serve did not start"; cat "$OUT/serve.err"; kill $pid; exit 1; fi
+    python3 bench/serve_load.py --url "http://127.0.0.1:$port" --clients 64 \
+      --seconds "${LOAD_SECONDS:-60}" --token-prompts 100,1000 --prompt-words 64,512 \
+      --max-tokens 16,256 | tee "$OUT/serve_load.json"
+    echo "load rc=${PIPESTATUS[0]}"
+    kill -TERM $pid
+    wait $pid
+    echo "serve exit code $?"
+    tail -5 "$OUT/serve.err" ;;
+  *) echo "PHASE=${PHASE}: expected setup, matrix, workload or serve" >&2; exit 2 ;;
 esac

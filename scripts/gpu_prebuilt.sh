@@ -32,7 +32,11 @@ case "${1:-}" in
       strip -o "$stage/$b" "$B/$b"
     done
     mkdir -p "$stage/lib"
-    cp -L "$(ldconfig -p | awk '/libbenchmark\.so\.[0-9a-z]* /{print $NF; exit}')" "$stage/lib/"
+    # Google Benchmark, cpp-httplib and brotli (cpp-httplib's) are not in the GPU image.
+    for l in libbenchmark.so.1debian libcpp-httplib.so.0.11 libbrotlidec.so.1 libbrotlienc.so.1 \
+      libbrotlicommon.so.1; do
+      cp -L "$(ldconfig -p | awk -v l="$l" '$1 == l {print $NF; exit}')" "$stage/lib/"
+    done
     { git rev-parse --short HEAD; git diff --quiet || echo dirty; } | paste -sd+ >"$stage/COMMIT"
     pwd >"$stage/SOURCE_DIR"
     mkdir -p out

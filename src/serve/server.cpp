@@ -448,6 +448,8 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
     api::Result<api::RequestId> submitted = engine->submit(
         api::Prompt(std::move(ids).value()), parsed.params,
         [this, exchange](const api::CompletionOutput& out) {
+          // Counted here, where every final output arrives (also a dropped stream's "abort").
+          if (out.finished) metrics_.count_finished(out.finish_reason);
           exchange->push(out);
           if (out.request_finished) remove_in_flight(out.request_id);
         });
@@ -479,7 +481,6 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
       } else {
         choice.add(out);
       }
-      if (out.finished) metrics_.count_finished(choice.finish_reason());
       if (out.request_finished) {
         gen->done = true;
         gen->queue_seconds = out.queue_seconds;
