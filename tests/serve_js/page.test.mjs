@@ -1,0 +1,115 @@
+// The chat page (src/serve/page/) in headless Chromium against `e4kv serve`: the model name, the
+// KV panel, a streamed answer equal to the API's, Stop, and an error from the server shown.
+// Exits 77 (ctest's skip) when Debian's chromium is not installed; never downloads a browser.
+import assert from "node:assert/strict";
+import { existsSync } from "node:fs";
+import { join } from "node:path";
+import { after, before, test } from "node:test";
+import { chromium } from "playwright-core";
+import { metrics, metricValue, outDir, poolBytes, postJson, qwen3Template, startServer } from "./serve.mjs";
+
+const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
+if (!existsSync(CHROMIUM)) {
+  console.log(`SKIP: ${CHROMIUM} is not installed (scripts/setup.sh installs Debian's chromium)`);
+  process.exit(77);
+}
+
+const API_KEY = "page-key";
+const QUESTION = "Tell me about Debian packages.";
+let server;
+let browser;
+let page;
+let model;
+let seed;  // a seed whose answer to QUESTION is long (the tiny model's greedy answer is empty)
+
+const chatApi = (body) => postJson(server.url, "/v1/chat/completions",
+  { model, messages: [{ role: "user", content: QUESTION }], temperature: 0.8, seed, ...body }, API_KEY);
+
+before(async () => {
+  server = await startServer([
+    "--chat-template", qwen3Template, "--api-key", API_KEY, "--max-num-seqs", "4",
+    "--max-model-len", "2048", "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", "unit",
+    "--kv-cache-memory-bytes", String(poolBytes(4, 64, "fp8_e4m3")),
+  ]);
+  const models = await fetch(`${server.url}/v1/models`, { headers: { Authorization: `Bearer ${API_KEY}` } });
+  model = (await models.json()).data[0].id;
+  for (seed = 1; seed <= 12; ++seed) {
+    if ((await chatApi({ max_tokens: 300 })).choices[0].finish_reason === "length") break;
+  }
+  assert.ok(seed <= 12, "no seed in 1..12 gives a 300-token answer");
+  browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: ["--no-sandbox"] });
+  page = await browser.newPage({ viewport: { width: 1200, height: 900 } });
+  page.setDefaultTimeout(60_000);
+});
+
+after(async () => {
+  if (page) await page.screenshot({ path: join(outDir(), "page.png"), fullPage: true }).catch(() => {});
+  if (browser) await browser.close();
+  if (server) assert.deepEqual(await server.stop(), { code: 0, signal: null });
+});
+
+test("the page: model, KV panel, a streamed answer, Stop", { timeout: 300_000 }, async () => {
+  await page.goto(server.url);
+  assert.equal(await page.title(), "e4kv chat");
+
+  // Without the key /v1/models is refused: the server's message is shown.
+  await page.locator("#error").waitFor({ state: "visible" });
+  assert.match(await page.locator("#error").textContent(), /401/);
+  await page.fill("#api-key", API_KEY);
+  await page.locator("#api-key").dispatchEvent("change");
+  await page.waitForFunction((m) => document.getElementById("model-name").textContent === m, model);
+  assert.equal(await page.locator("#error").isHidden(), true);
+
+  // The KV panel, filled from /metrics.
+  const m = await metrics(server.url);
+  const total = metricValue(m, "e4kv:kv_cache_blocks_total");
+  const poolTokens = metricValue(m, "e4kv:kv_cache_pool_tokens");
+  await page.waitForFunction(() => document.getElementById("kv-dtype").textContent !== "-");
+  assert.equal(await page.textContent("#kv-dtype"), "E4M3");
+  assert.equal(await page.textContent("#kv-scales"), "unit");
+  assert.equal(await page.textContent("#kv-blocks"), `0 / ${total.toLocaleString("en-US")}`);
+  assert.equal(await page.textContent("#kv-block-size"), "64 tokens");
+  assert.equal(await page.textContent("#kv-pool-tokens"), poolTokens.toLocaleString("en-US"));
+  assert.equal(await page.textContent("#kv-usage"), "0.0 %");
+  assert.equal(await page.textContent("#req-running"), "0");
+
+  // A streamed answer: the text the page assembles from the SSE deltas is the API's answer.
+  const expected = (await chatApi({ max_tokens: 24 })).choices[0].message.content;
+  assert.ok(expected.length > 0);
+  await page.fill("#temperature", "0.8");
+  await page.fill("#seed", String(seed));
+  await page.fill("#max-tokens", "24");
+  await page.fill("#prompt", QUESTION);
+  await page.click("#send");
+  const first = page.locator(".message.assistant").nth(0);
+  await page.waitForFunction(() => document.querySelector(".message.assistant")?.dataset.state === "done");
+  assert.equal(await first.locator(".content").textContent(), expected);
+  assert.match(await first.locator(".finish").textContent(), /^finish: length · \d+ prompt \+ 24 completion tokens$/);
+
+  // Stop on a long answer: the page shows it stopped, and the server counts an abort.
+  const abortsBefore = metricValue(await metrics(server.url), "e4kv:request_success_total", { finished_reason: "abort" });
+  const long = (await chatApi({ max_tokens: 300 })).choices[0].message.content;
+  await page.click("#clear");
+  await page.fill("#max-tokens", "1900");
+  await page.fill("#prompt", QUESTION);
+  await page.click("#send");
+  const second = page.locator(".message.assistant").nth(0);
+  await page.waitForFunction(() => document.querySelector(".message.assistant .content")?.textContent.length > 0);
+  assert.equal(await page.isEnabled("#stop"), true);
+  await page.click("#stop");
+  await page.waitForFunction(() => document.querySelector(".message.assistant")?.dataset.state === "stopped");
+  assert.equal(await second.locator(".finish").textContent(), "stopped");
+  assert.equal(await page.isEnabled("#send"), true);
+  assert.equal(await page.isDisabled("#stop"), true);
+  const shown = await second.locator(".content").textContent();
+  assert.ok(shown.length > 0 && shown.length < long.length && long.startsWith(shown),
+            "the stopped answer is a prefix of the whole one");
+  const deadline = Date.now() + 20_000;
+  let aborts = abortsBefore;
+  while (aborts === abortsBefore && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 250));
+    aborts = metricValue(await metrics(server.url), "e4kv:request_success_total", { finished_reason: "abort" });
+  }
+  assert.equal(aborts, abortsBefore + 1, "the server saw the stream closed and aborted the request");
+  await page.waitForFunction(() => document.getElementById("req-running").textContent === "0");
+});
