@@ -192,6 +192,13 @@ export async function runLoad({ seconds = Number(process.env.LOAD_SECONDS || 60)
       failures.push(`request_success_total stop+length grew by ${nFinished}; ` +
                     `${completed.length} completed, ${aborted.length} aborted`);
     }
+    // Every request that reached the engine is counted once, under one of the four reasons.
+    const all = (m) => metricValue(m, "e4kv:request_success_total");
+    const errors = records.filter((r) => r.error);
+    if (errors.length === 0 && all(after) - all(before) !== completed.length + aborted.length) {
+      failures.push(`request_success_total (all reasons) grew by ${all(after) - all(before)}, not ` +
+                    `${completed.length} completed + ${aborted.length} aborted`);
+    }
     const generated = metricValue(after, "e4kv:generation_tokens_total") -
                       metricValue(before, "e4kv:generation_tokens_total");
     const counted = completed.reduce((s, r) => s + r.completionTokens, 0);
@@ -202,14 +209,14 @@ export async function runLoad({ seconds = Number(process.env.LOAD_SECONDS || 60)
     const round = (x) => (x === null ? null : Math.round(x * 10) / 10);
     const figures = {
       clients, seconds: round(elapsed), requests: records.length, completed: completed.length,
-      aborted: aborted.length, errors: records.filter((r) => r.error).length,
+      aborted: aborted.length, errors: errors.length,
       requests_per_s: round(completed.length / elapsed),
       ttft_p50_ms: round(percentile(ttft, 50)), ttft_p99_ms: round(percentile(ttft, 99)),
       latency_p50_ms: round(percentile(latency, 50)), latency_p99_ms: round(percentile(latency, 99)),
       preemptions,
     };
     if (completed.length === 0) failures.push("no request completed");
-    return { figures, failures, errors: records.filter((r) => r.error).map((r) => r.error) };
+    return { figures, failures, errors: errors.map((r) => r.error) };
   } finally {
     if (server) {
       const exit = await server.stop().catch((e) => ({ error: e.message }));

@@ -86,9 +86,16 @@ test("the page: model, KV panel, a streamed answer, Stop", { timeout: 300_000 },
   assert.equal(await first.locator(".content").textContent(), expected);
   assert.match(await first.locator(".finish").textContent(), /^finish: length · \d+ prompt \+ 24 completion tokens$/);
 
-  // Stop on a long answer: the page shows it stopped, and the server counts an abort.
-  const abortsBefore = metricValue(await metrics(server.url), "e4kv:request_success_total", { finished_reason: "abort" });
+  // Stop on a long answer (at least 300 tokens with this seed): the page shows it stopped, and
+  // the server ends the request early and counts it aborted.
+  const counts = async () => {
+    const now = await metrics(server.url);
+    return { running: metricValue(now, "e4kv:num_requests_running"),
+             generated: metricValue(now, "e4kv:generation_tokens_total"),
+             aborts: metricValue(now, "e4kv:request_success_total", { finished_reason: "abort" }) };
+  };
   const long = (await chatApi({ max_tokens: 300 })).choices[0].message.content;
+  const before = await counts();
   await page.click("#clear");
   await page.fill("#max-tokens", "1900");
   await page.fill("#prompt", QUESTION);
@@ -105,11 +112,14 @@ test("the page: model, KV panel, a streamed answer, Stop", { timeout: 300_000 },
   assert.ok(shown.length > 0 && shown.length < long.length && long.startsWith(shown),
             "the stopped answer is a prefix of the whole one");
   const deadline = Date.now() + 20_000;
-  let aborts = abortsBefore;
-  while (aborts === abortsBefore && Date.now() < deadline) {
+  let after = await counts();
+  while ((after.running !== 0 || after.aborts === before.aborts) && Date.now() < deadline) {
     await new Promise((r) => setTimeout(r, 250));
-    aborts = metricValue(await metrics(server.url), "e4kv:request_success_total", { finished_reason: "abort" });
+    after = await counts();
   }
-  assert.equal(aborts, abortsBefore + 1, "the server saw the stream closed and aborted the request");
+  assert.equal(after.running, 0);
+  assert.ok(after.generated - before.generated < 300,
+            `the server stopped generating (${after.generated - before.generated} tokens)`);
   await page.waitForFunction(() => document.getElementById("req-running").textContent === "0");
+  assert.equal(after.aborts, before.aborts + 1, "request_success_total{finished_reason=\"abort\"} counts it");
 });
