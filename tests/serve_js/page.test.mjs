@@ -86,6 +86,36 @@ test("the page: model, KV panel, a streamed answer, Stop", { timeout: 300_000 },
   assert.equal(await first.locator(".content").textContent(), expected);
   assert.match(await first.locator(".finish").textContent(), /^finish: length · \d+ prompt \+ 24 completion tokens$/);
 
+  // The server's error message is shown, and the failed turn leaves the conversation's history.
+  await page.click("#clear");
+  await page.fill("#temperature", "-1");
+  await page.fill("#prompt", QUESTION);
+  await page.click("#send");
+  await page.waitForFunction(() => document.querySelector(".message.assistant")?.dataset.state === "error");
+  assert.match(await page.textContent("#error"), /^400: .*temperature/);
+  await page.fill("#temperature", "0.8");
+
+  // reasoning_content deltas go to the muted block (the tiny model writes no <think>, so this
+  // stream is canned; the parsing is the page's own).
+  const canned = [
+    { delta: { role: "assistant", content: "" } }, { delta: { reasoning_content: "Let me " } },
+    { delta: { reasoning_content: "think." } }, { delta: { content: "Hello" } },
+    { delta: { content: " world" }, finish_reason: "stop" },
+  ].map((c) => `data: ${JSON.stringify({ id: "chatcmpl-canned", object: "chat.completion.chunk",
+                                          choices: [{ index: 0, finish_reason: null, ...c }] })}\r\n\r\n`);
+  await page.route("**/v1/chat/completions", (route) => route.fulfill({
+    status: 200, headers: { "Content-Type": "text/event-stream" }, body: canned.join("") + "data: [DONE]\n\n" }));
+  await page.click("#clear");
+  await page.fill("#prompt", "canned");
+  await page.click("#send");
+  await page.waitForFunction(() => document.querySelector(".message.assistant")?.dataset.state === "done");
+  const reasoned = page.locator(".message.assistant").nth(0);
+  assert.equal(await reasoned.locator(".reasoning").textContent(), "Let me think.");
+  assert.equal(await reasoned.locator(".reasoning").isVisible(), true);
+  assert.equal(await reasoned.locator(".content").textContent(), "Hello world");
+  assert.equal(await reasoned.locator(".finish").textContent(), "finish: stop");
+  await page.unroute("**/v1/chat/completions");
+
   // Stop on a long answer (at least 300 tokens with this seed): the page shows it stopped, and
   // the server ends the request early and counts it aborted.
   const counts = async () => {
