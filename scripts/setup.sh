@@ -11,7 +11,12 @@ packages=(
   libicu-dev        # the tokenizer's Unicode normalizers (NFC, ...)
   libcpp-httplib-dev  # `e4kv serve`
   clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
+  chromium          # the chat page's test (tests/serve_js) drives it headless; no browser download
 )
+# tests/serve_js runs on Node.js; Debian's only when no node (e.g. NodeSource's) is installed.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  packages+=(nodejs npm)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
