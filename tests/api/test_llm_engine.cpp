@@ -348,6 +348,69 @@ TEST_F(LlmEngineApi, DestructorWithRequestsInFlightGivesEachOneFinalOutput) {
   }
 }
 
+TEST_F(LlmEngineApi, NCompletionsAreTheSeededRunsAndEndOnce) {
+  auto engine = api::LLMEngine::create(config());
+  ASSERT_TRUE(engine.ok()) << engine.message();
+  api::SamplingParams params;
+  params.n = 3;
+  params.max_tokens = 9;
+  params.temperature = 1.0;
+  params.seed = 40;
+  params.ignore_eos = true;
+  auto stream = (*engine)->stream(prompt_ids(3), params);
+  ASSERT_TRUE(stream.ok()) << stream.message();
+  std::vector<api::CompletionOutput> outs;
+  while (std::optional<api::CompletionOutput> out = (*stream)->next()) outs.push_back(*out);
+  // Each completion ends once; the request's last output is the only one with request_finished.
+  std::map<int32_t, int> finals;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (outs[i].finished) ++finals[outs[i].index];
+    EXPECT_EQ(outs[i].request_finished, i + 1 == outs.size()) << i;
+  }
+  EXPECT_EQ(finals, (std::map<int32_t, int>{{0, 1}, {1, 1}, {2, 1}}));
+  EXPECT_EQ(outs.back().usage.completion_tokens, 27);
+  EXPECT_EQ(outs.back().usage.prompt_tokens, int64_t(prompt_ids(3).size()));
+  EXPECT_GE(outs.back().queue_seconds, 0.0);
+  // Completion i is the request alone with seed + i.
+  for (int32_t i = 0; i < 3; ++i) {
+    std::vector<int32_t> tokens;
+    for (const auto& o : outs) {
+      if (o.index == i) tokens.insert(tokens.end(), o.token_ids.begin(), o.token_ids.end());
+    }
+    api::SamplingParams alone = params;
+    alone.n = 1;
+    alone.seed = 40 + uint64_t(i);
+    EXPECT_EQ(tokens, reference(prompt_ids(3), alone)) << "completion " << i;
+  }
+  // n beyond max_num_seqs is refused at submit.
+  api::SamplingParams too_many = params;
+  too_many.n = 65;
+  EXPECT_EQ((*engine)->submit(prompt_ids(1), too_many, {}).status().field(), "n");
+  // Aborted mid-way: every completion still running gets its final "abort", the last one ends
+  // the request.
+  api::SamplingParams long_params = params;
+  long_params.max_tokens = 3000;
+  Recorded rec;
+  auto id = (*engine)->submit(prompt_ids(5), long_params, rec.callback());
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(wait_until([&] { return rec.tokens().size() >= 6; }));
+  EXPECT_TRUE((*engine)->abort(*id));
+  ASSERT_TRUE(wait_until([&] {
+    std::lock_guard lock(rec.mu);
+    return !rec.outputs.empty() && rec.outputs.back().request_finished;
+  }));
+  std::lock_guard lock(rec.mu);
+  std::map<int32_t, std::string> reasons;
+  for (const auto& o : rec.outputs) {
+    if (o.finished) reasons[o.index] = o.finish_reason;
+  }
+  EXPECT_EQ(reasons, (std::map<int32_t, std::string>{{0, "abort"}, {1, "abort"}, {2, "abort"}}));
+  EXPECT_TRUE(wait_until([&] {
+    const api::EngineStats s = (*engine)->stats();
+    return s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0;
+  }));
+}
+
 TEST_F(LlmEngineApi, BadConfigurationsAreRefusedNamingTheFieldOrFile) {
   api::EngineConfig missing = config();
   missing.model = (tmp_.path() / "no-such-model").string();
