@@ -73,15 +73,33 @@ Result<std::optional<std::string>> pick_template(const ordered_json& value,
 
 }  // namespace
 
-Result<ChatTemplate> ChatTemplate::load(const std::filesystem::path& dir, std::string_view name) {
+namespace {
+
+// bos_token / eos_token of the checkpoint in `dir` (tokenizer_config.json), when it sets them.
+struct SpecialTokens {
+  std::optional<std::string> bos, eos;
+};
+Result<SpecialTokens> special_tokens(const std::filesystem::path& dir,
+                                     std::optional<ordered_json>* config_out = nullptr) {
   const std::filesystem::path config_path = dir / "tokenizer_config.json";
   E4KV_ASSIGN_OR_RETURN(std::optional<ordered_json> config, read_json_object(config_path));
-  std::optional<std::string> bos_token;
-  std::optional<std::string> eos_token;
+  SpecialTokens tokens;
   if (config) {
-    E4KV_ASSIGN_OR_RETURN(bos_token, special_token(*config, config_path, "bos_token"));
-    E4KV_ASSIGN_OR_RETURN(eos_token, special_token(*config, config_path, "eos_token"));
+    E4KV_ASSIGN_OR_RETURN(tokens.bos, special_token(*config, config_path, "bos_token"));
+    E4KV_ASSIGN_OR_RETURN(tokens.eos, special_token(*config, config_path, "eos_token"));
   }
+  if (config_out != nullptr) *config_out = std::move(config);
+  return tokens;
+}
+
+}  // namespace
+
+Result<ChatTemplate> ChatTemplate::load(const std::filesystem::path& dir, std::string_view name) {
+  const std::filesystem::path config_path = dir / "tokenizer_config.json";
+  std::optional<ordered_json> config;
+  E4KV_ASSIGN_OR_RETURN(SpecialTokens tokens, special_tokens(dir, &config));
+  std::optional<std::string> bos_token = std::move(tokens.bos);
+  std::optional<std::string> eos_token = std::move(tokens.eos);
 
   const bool named = !name.empty() && name != "default";
   std::optional<std::string> source;
@@ -126,20 +144,13 @@ Result<ChatTemplate> ChatTemplate::load(const std::filesystem::path& dir, std::s
 
 Result<ChatTemplate> ChatTemplate::load_file(const std::filesystem::path& file,
                                              const std::filesystem::path& dir) {
-  const std::filesystem::path config_path = dir / "tokenizer_config.json";
-  E4KV_ASSIGN_OR_RETURN(std::optional<ordered_json> config, read_json_object(config_path));
-  std::optional<std::string> bos_token;
-  std::optional<std::string> eos_token;
-  if (config) {
-    E4KV_ASSIGN_OR_RETURN(bos_token, special_token(*config, config_path, "bos_token"));
-    E4KV_ASSIGN_OR_RETURN(eos_token, special_token(*config, config_path, "eos_token"));
-  }
+  E4KV_ASSIGN_OR_RETURN(SpecialTokens tokens, special_tokens(dir));
   E4KV_ASSIGN_OR_RETURN(std::optional<std::string> source, read_optional_file(file));
   if (!source) {
     return Status::error(cat(file.string(), ": no such chat template file; give a .jinja file"));
   }
   Result<ChatTemplate> loaded =
-      from_source(std::move(*source), std::move(bos_token), std::move(eos_token));
+      from_source(std::move(*source), std::move(tokens.bos), std::move(tokens.eos));
   if (!loaded.ok()) return Status::error(cat(file.string(), ": ", loaded.message()));
   return loaded;
 }

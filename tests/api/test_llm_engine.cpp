@@ -418,6 +418,12 @@ TEST_F(LlmEngineApi, BadConfigurationsAreRefusedNamingTheFieldOrFile) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().field(), "model");
   EXPECT_NE(r.message().find("no-such-model: not a directory"), std::string::npos) << r.message();
+  api::EngineConfig no_template = config();
+  no_template.chat_template = (tmp_.path() / "missing.jinja").string();
+  r = api::LLMEngine::create(no_template);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().field(), "chat_template");
+  EXPECT_NE(r.message().find("missing.jinja: not a file"), std::string::npos) << r.message();
 
   api::EngineConfig empty = config();
   empty.model.clear();
