@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -35,7 +36,7 @@ api::EngineConfig engine_config() {
   c.chat_template = std::string(E4KV_SOURCE_DIR) + "/tests/data/chat_templates/qwen3/template.jinja";
   c.max_model_len = 512;
   c.max_num_seqs = 8;
-  c.num_gpu_blocks_override = 16;  // 1024 tokens: 8 requests of 200+ tokens (4 blocks) do not fit
+  c.num_gpu_blocks_override = 16;  // 1024 tokens: 8 requests of 160+ tokens (3 blocks) do not fit
   c.threads = 2;
   return c;
 }
@@ -192,48 +193,56 @@ TEST_F(ServeTest, HostileRequestsGetErrorsAndTheServerStaysUp) {
 }
 
 TEST_F(ServeTest, ConcurrentRequestsGetWhatTheyGetAlone) {
-  // Greedy and seeded requests run alone through the engine, then all at once through the
-  // server with a pool that must preempt: each answer is the one it got alone.
+  // Greedy requests run one at a time through the server, then all at once with a pool that
+  // must preempt: each gets the tokens it got alone, up to the first step whose top-2 logprob
+  // margin alone is below 1e-3 (where batched arithmetic may pick the other token).
   const std::vector<std::string> prompts = {"Once upon a time", "The cat", "In the year 2000,",
                                             "Hello", "A long time ago in a", "Water is",
                                             "The quick brown fox", "Numbers: 1, 2, 3,"};
-  std::vector<std::vector<int32_t>> alone;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    api::SamplingParams p;
-    p.max_tokens = 200;
-    p.ignore_eos = true;
-    p.temperature = i % 2 == 0 ? 0.0 : 0.8;
-    p.seed = 100 + i;
-    api::Result<std::vector<api::Completion>> done = engine_->generate({prompts[i]}, p);
-    ASSERT_TRUE(done.ok()) << done.message();
-    alone.push_back(done->front().token_ids);
-  }
-  const int64_t preemptions_before = engine_->stats().preemptions;
   Running s(engine_, [] {
     ServerConfig c = server_config();
     c.max_connections = 16;
     return c;
   }());
+  auto request = [&](size_t i) {
+    httplib::Client c = s.client();
+    json body = {{"prompt", prompts[i]}, {"max_tokens", 160}, {"ignore_eos", true},
+                 {"temperature", 0.0},   {"logprobs", 2}};
+    return post(c, "/v1/completions", body.dump());
+  };
+  std::vector<Reply> alone;
+  for (size_t i = 0; i < prompts.size(); ++i) alone.push_back(request(i));
+  const int64_t preemptions_before = engine_->stats().preemptions;
   std::vector<std::future<Reply>> replies;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    replies.push_back(std::async(std::launch::async, [&, i] {
-      httplib::Client c = s.client();
-      json body = {{"prompt", prompts[i]},       {"max_tokens", 200},
-                   {"ignore_eos", true},         {"temperature", i % 2 == 0 ? 0.0 : 0.8},
-                   {"seed", 100 + i},            {"logprobs", 0}};
-      return post(c, "/v1/completions", body.dump());
-    }));
+    replies.push_back(std::async(std::launch::async, [&, i] { return request(i); }));
   }
+  size_t total_compared = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(i);
     Reply r = replies[i].get();
+    ASSERT_EQ(alone[i].status, 200) << alone[i].body.dump();
     ASSERT_EQ(r.status, 200) << r.body.dump();
     EXPECT_EQ(r.body["choices"][0]["finish_reason"], "length");
-    EXPECT_EQ(r.body["usage"]["completion_tokens"], 200);
-    // The tokens come back as text; the engine's decode of the alone run is the reference.
-    api::Result<std::string> text = engine_->decode(alone[i]);
-    ASSERT_TRUE(text.ok());
-    EXPECT_EQ(r.body["choices"][0]["text"], *text) << "request " << i;
+    EXPECT_EQ(r.body["usage"]["completion_tokens"], 160);
+    const json& a = alone[i].body["choices"][0]["logprobs"];
+    const json& b = r.body["choices"][0]["logprobs"];
+    ASSERT_EQ(a["tokens"].size(), 160u);
+    ASSERT_EQ(b["tokens"].size(), 160u);
+    size_t compared = 0;
+    for (; compared < 160; ++compared) {
+      std::vector<double> top;
+      for (auto it = a["top_logprobs"][compared].begin(); it != a["top_logprobs"][compared].end();
+           ++it) {
+        top.push_back(it->get<double>());
+      }
+      std::sort(top.rbegin(), top.rend());
+      if (top.size() >= 2 && top[0] - top[1] < 1e-3) break;
+      ASSERT_EQ(b["tokens"][compared], a["tokens"][compared]) << "token " << compared;
+    }
+    total_compared += compared;
   }
+  EXPECT_GE(total_compared, 400u) << "too few tokens compared to mean anything";
   EXPECT_GT(engine_->stats().preemptions, preemptions_before) << "the pool was meant to preempt";
   EXPECT_TRUE(engine_drains());
 }
