@@ -314,3 +314,48 @@ void BM_OutputProcessorStep(benchmark::State& state) {
 BENCHMARK(BM_OutputProcessorStep)->Arg(1)->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
+
+#include "backend/attention_plan.h"
+#include "qsa/route_planner.h"
+
+namespace {
+
+// The CUDA backend's per-step attention plan (backend/attention_plan.h, plain C++ run on the host
+// half of a step): the dense 8B shape (32 query heads of 128 over 8 KV heads, blocks of 64, FP16),
+// `n` decode rows of `n` sequences at 4K-5K tokens, an H100's 132 SMs x 4 resident decode CTAs and
+// cluster merge, the workspace sized at load. One plan serves every layer of the shape.
+void BM_AttentionStepPlan(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  e4kv::AttentionLayerShape shape;
+  shape.head_dim = 128;
+  shape.block_size = 64;
+  shape.dtype = e4kv::KvCacheDtype::kF16;
+  shape.n_heads = 32;
+  shape.n_kv_heads = 8;
+  e4kv::DecodeDeviceLimits device;
+  device.resident_ctas = 132 * 4;
+  device.cluster = e4kv::DecodeClusterMerge{132, 16};
+  device.workspace_floats = e4kv::decode_workspace_floats_for_limits(shape, 256, kMaxLen, device);
+  const std::vector<e4kv::AttentionRouteLimits> routes = e4kv::cuda_attention_routes();
+  std::vector<int32_t> seq(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    seq[size_t(i)] = int32_t(i);
+    pos[size_t(i)] = int32_t(kContext + (i * 37) % (kMaxLen - kContext));
+  }
+  e4kv::QueryBatchView rows;
+  rows.n_rows = n;
+  rows.row_seq = seq.data();
+  rows.row_pos = pos.data();
+  for (auto _ : state) {
+    e4kv::Result<e4kv::AttentionStepPlan> plan =
+        e4kv::plan_attention_step(routes, shape, rows, device);
+    if (!plan.ok()) {
+      state.SkipWithError(plan.message().c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(plan->decode_runs.data());
+  }
+}
+BENCHMARK(BM_AttentionStepPlan)->Arg(1)->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
+
+}  // namespace

@@ -175,16 +175,18 @@ void Server::remove_in_flight(api::RequestId id) {
 void Server::shutdown(double timeout_seconds) {
   draining_.store(true);
   {
+    // Done when no request is in the engine and every response was written (the listener's stop
+    // cuts the streams still being written).
+    auto idle = [&] { return in_flight_.empty() && active_.load() == 0; };
     std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::duration<double>(std::max(timeout_seconds, 0.0)),
-                 [&] { return in_flight_.empty(); });
+    cv_.wait_for(lock, std::chrono::duration<double>(std::max(timeout_seconds, 0.0)), idle);
     if (!in_flight_.empty()) {
       if (api::LLMEngine* engine = engine_.load()) {
         for (api::RequestId id : in_flight_) engine->abort(id);
       }
-      // The aborted requests' final outputs reach their clients.
-      cv_.wait_for(lock, std::chrono::seconds(10), [&] { return in_flight_.empty(); });
     }
+    // The aborted requests' final outputs reach their clients.
+    cv_.wait_for(lock, std::chrono::seconds(10), idle);
   }
   http_->stop();
 }
@@ -243,7 +245,11 @@ void Server::install_routes() {
   http.set_logger([this](const httplib::Request&, const httplib::Response&) {
     if (t_counted) {
       t_counted = false;
-      active_.fetch_sub(1);
+      {
+        std::lock_guard lock(mu_);
+        active_.fetch_sub(1);
+      }
+      cv_.notify_all();
     }
   });
   http.set_error_handler(httplib::Server::HandlerWithResponse(

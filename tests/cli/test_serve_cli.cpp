@@ -9,7 +9,7 @@
 #include <chrono>
 #include <fstream>
 #include <future>
-#include <regex>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -51,11 +51,13 @@ TEST(ServeCli, SigtermFinishesTheRequestInFlightThenExitsZero) {
   ASSERT_GT(pid, 0);
   int port = 0;
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  const std::regex listening("listening on http://127\\.0\\.0\\.1:([0-9]+)");
+  const std::string listening = "listening on http://127.0.0.1:";
   while (port == 0 && std::chrono::steady_clock::now() < until) {
-    std::smatch m;
     const std::string text = testing_support::read_text(out_path);
-    if (std::regex_search(text, m, listening)) port = std::stoi(m[1]);
+    const size_t at = text.find(listening);
+    if (at != std::string::npos && text.find('\n', at) != std::string::npos) {
+      port = std::atoi(text.c_str() + at + listening.size());
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_NE(port, 0) << testing_support::read_text(err_path);
