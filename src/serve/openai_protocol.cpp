@@ -396,6 +396,7 @@ std::optional<ApiError> parse_request(Endpoint endpoint, const json& body,
                                     ? parse_completions(f, limits, out)
                                     : parse_chat(f, limits, out);
   if (err) return err;
+  out->seed_given = body.contains("seed") && !body["seed"].is_null();
   if (!read_sampling(f, limits, out->params) || !read_stream(f, out)) return f.error;
   if (out->best_of != 0 && out->best_of != out->params.n) {
     return bad("best_of", "not supported (only best_of equal to n)");

@@ -54,6 +54,7 @@ struct ParsedRequest {
   bool add_special_tokens = true;  // text prompts
   api::SamplingParams params;
   bool max_tokens_given = false;  // else: the rest of the context (chat) or 16 (completions)
+  bool seed_given = false;        // else: the server draws a random seed (OpenAI's behaviour)
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   // Completions: logprobs = n top entries (0..20); chat: logprobs true and top_logprobs.

@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <random>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -433,6 +434,11 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
   const int64_t n_prompt = int64_t(ids->size());
   if (!parsed.max_tokens_given && chat) {
     parsed.params.max_tokens = std::max<int64_t>(engine->max_model_len() - n_prompt, 0);
+  }
+  if (!parsed.seed_given) {
+    // An unseeded request samples differently each time, as OpenAI's and vLLM's do.
+    thread_local std::mt19937_64 seeds{std::random_device{}()};
+    parsed.params.seed = seeds();
   }
   gen->parsing.tool_calls = parsed.parse_tool_calls && config_.tool_call_parser == "hermes";
   gen->parsing.reasoning = chat && config_.reasoning_parser == "qwen3";

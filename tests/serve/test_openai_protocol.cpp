@@ -51,6 +51,7 @@ TEST(OpenAiProtocol, CompletionFieldsBecomeSamplingParams) {
   EXPECT_DOUBLE_EQ(r.params.min_p, 0.05);
   EXPECT_EQ(r.params.n, 3);
   EXPECT_EQ(r.params.seed, 11u);
+  EXPECT_TRUE(r.seed_given);
   EXPECT_EQ(r.params.stop, (std::vector<std::string>{"a", "bc"}));
   EXPECT_DOUBLE_EQ(r.params.presence_penalty, 0.5);
   EXPECT_DOUBLE_EQ(r.params.frequency_penalty, -0.5);
@@ -74,6 +75,7 @@ TEST(OpenAiProtocol, DefaultsAreOpenAis) {
   EXPECT_EQ(r.params.max_tokens, 16);  // OpenAI's completions default
   EXPECT_FALSE(r.max_tokens_given);
   EXPECT_EQ(r.params.n, 1);
+  EXPECT_FALSE(r.seed_given);
   EXPECT_FALSE(r.params.logprobs.has_value());
   ParsedRequest c;
   ASSERT_FALSE(parse(Endpoint::kChat,

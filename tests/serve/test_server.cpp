@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -267,6 +268,25 @@ TEST_F(ServeTest, NCompletionsAreTheSeededRunsOfOnePrompt) {
     EXPECT_EQ(r.body["choices"][i]["text"], alone->front().text) << "completion " << i;
   }
   EXPECT_EQ(r.body["usage"]["completion_tokens"], 20);
+}
+
+TEST_F(ServeTest, UnseededRequestsSampleDifferently) {
+  Running s(engine_);
+  httplib::Client c = s.client();
+  const std::string body =
+      R"({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "ignore_eos": true)";
+  std::set<std::string> texts;
+  for (int i = 0; i < 4; ++i) {
+    Reply r = post(c, "/v1/completions", body + "}");
+    ASSERT_EQ(r.status, 200) << r.body.dump();
+    texts.insert(r.body["choices"][0]["text"].get<std::string>());
+  }
+  // Four draws of 24 tokens at temperature 1 from the same seed would be one text.
+  EXPECT_GT(texts.size(), 1u);
+  // A seed makes them equal.
+  Reply a = post(c, "/v1/completions", body + R"(, "seed": 9})");
+  Reply b = post(c, "/v1/completions", body + R"(, "seed": 9})");
+  EXPECT_EQ(a.body["choices"][0]["text"], b.body["choices"][0]["text"]);
 }
 
 // Reads a stream; `keep_reading(chunks so far)` false drops the connection.
