@@ -35,6 +35,15 @@ TEST(ServeCli, ScaleGateStopsStartUp) {
   EXPECT_NE(r.err.find("scale"), std::string::npos) << r.err;
 }
 
+TEST(ServeCli, EngineErrorsNameTheFlag) {
+  testing_support::TempDir dir;
+  const auto r = testing_support::run_cli_timed(
+      dir.path(), {"serve", kModel, "--port", "0", "--kv-cache-memory-bytes", "20000000"},
+      std::chrono::seconds(60));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("e4kv: error: --kv-cache-memory-bytes: "), std::string::npos) << r.err;
+}
+
 TEST(ServeCli, SigtermFinishesTheRequestInFlightThenExitsZero) {
   testing_support::TempDir dir;
   const std::string out_path = (dir.path() / "out.txt").string();

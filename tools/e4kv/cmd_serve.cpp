@@ -106,7 +106,24 @@ Status run_serve(ServeArgs& args) {
   };
   if (!engine.ok()) {
     stop_threads();
-    return Status::error(engine.message());
+    // The library names its fields ("kv_cache_memory_bytes: ..."); the user typed flags.
+    std::string message = engine.message();
+    std::string field = engine.status().field();
+    if (field.empty()) {
+      for (const char* known :
+           {"model", "device", "kv_cache_dtype", "kv_scales_mode", "block_size", "max_model_len",
+            "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+            "num_gpu_blocks_override", "gpu_memory_utilization", "threads", "chat_template"}) {
+        if (message.rfind(std::string(known) + ":", 0) == 0) field = known;
+      }
+    }
+    if (!field.empty() && message.rfind(field + ":", 0) == 0) {
+      std::string flag = field == "kv_scales_mode" ? "kv-scales" : field;
+      for (char& c : flag) c = c == '_' ? '-' : c;
+      const std::string name = field == "model" ? std::string("MODEL") : "--" + flag;
+      message.replace(0, field.size(), name);
+    }
+    return Status::error(message);
   }
   for (const std::string& note : (*engine)->notes()) std::fprintf(stderr, "%s\n", note.c_str());
   if (args.warmup) {
