@@ -117,12 +117,31 @@ std::string escape_label_value(std::string_view value) {
   return out;
 }
 
-// ---- Counter ------------------------------------------------------------------------------------
+// ---- SeriesFamily -------------------------------------------------------------------------------
 
-Counter::Counter(std::string name, std::string help, Labels const_labels)
+SeriesFamily::SeriesFamily(std::string name, std::string help, Labels const_labels)
     : name_(std::move(name)), help_(std::move(help)), const_labels_(std::move(const_labels)) {
   check_names(name_, const_labels_);
 }
+
+double SeriesFamily::value(const Labels& labels) const {
+  std::lock_guard lock(mutex_);
+  const auto it = series_.find(labels);
+  return it == series_.end() ? 0.0 : it->second;
+}
+
+void SeriesFamily::render_as(std::string& out, const char* type) const {
+  append_header(out, name_, help_, type);
+  std::lock_guard lock(mutex_);
+  for (const auto& [labels, value] : series_) {
+    append_sample(out, name_, const_labels_, labels, std::nullopt, value);
+  }
+}
+
+// ---- Counter ------------------------------------------------------------------------------------
+
+Counter::Counter(std::string name, std::string help, Labels const_labels)
+    : SeriesFamily(std::move(name), std::move(help), std::move(const_labels)) {}
 
 void Counter::inc(double by, const Labels& labels) {
   E4KV_ASSERT(by >= 0.0, "metrics: counter " + name_ + " cannot go down");
@@ -144,26 +163,10 @@ void Counter::touch(const Labels& labels) {
   series_.try_emplace(labels, 0.0);
 }
 
-double Counter::value(const Labels& labels) const {
-  std::lock_guard lock(mutex_);
-  const auto it = series_.find(labels);
-  return it == series_.end() ? 0.0 : it->second;
-}
-
-void Counter::render(std::string& out) const {
-  append_header(out, name_, help_, "counter");
-  std::lock_guard lock(mutex_);
-  for (const auto& [labels, value] : series_) {
-    append_sample(out, name_, const_labels_, labels, std::nullopt, value);
-  }
-}
-
 // ---- Gauge --------------------------------------------------------------------------------------
 
 Gauge::Gauge(std::string name, std::string help, Labels const_labels)
-    : name_(std::move(name)), help_(std::move(help)), const_labels_(std::move(const_labels)) {
-  check_names(name_, const_labels_);
-}
+    : SeriesFamily(std::move(name), std::move(help), std::move(const_labels)) {}
 
 void Gauge::set(double value, const Labels& labels) {
   check_labels(labels);
@@ -176,19 +179,6 @@ void Gauge::clear() {
   series_.clear();
 }
 
-double Gauge::value(const Labels& labels) const {
-  std::lock_guard lock(mutex_);
-  const auto it = series_.find(labels);
-  return it == series_.end() ? 0.0 : it->second;
-}
-
-void Gauge::render(std::string& out) const {
-  append_header(out, name_, help_, "gauge");
-  std::lock_guard lock(mutex_);
-  for (const auto& [labels, value] : series_) {
-    append_sample(out, name_, const_labels_, labels, std::nullopt, value);
-  }
-}
 
 // ---- Histogram ----------------------------------------------------------------------------------
 

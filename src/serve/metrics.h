@@ -27,9 +27,26 @@ std::string format_metric_value(double value);
 // A label value escaped for the text format: backslash, double quote and newline.
 std::string escape_label_value(std::string_view value);
 
+// What counters and gauges share: a family of `name{const_labels,labels} value` series, one per
+// label set, under one mutex.
+class SeriesFamily {
+ public:
+  double value(const Labels& labels = {}) const;
+
+ protected:
+  SeriesFamily(std::string name, std::string help, Labels const_labels);
+  // Appends `# HELP`, `# TYPE name <type>` and the series.
+  void render_as(std::string& out, const char* type) const;
+
+  std::string name_, help_;
+  Labels const_labels_;
+  mutable std::mutex mutex_;
+  std::map<Labels, double> series_;
+};
+
 // A monotonic counter family: one series per label set, each `name{const_labels,labels} value`.
 // Values are doubles; integer totals (token counts) stay exact up to 2^53.
-class Counter {
+class Counter : public SeriesFamily {
  public:
   Counter(std::string name, std::string help, Labels const_labels = {});
   // Adds `by` (>= 0) to the series of `labels`.
@@ -39,32 +56,18 @@ class Counter {
   void raise_to(double total, const Labels& labels = {});
   // Creates the series of `labels` at 0 (so it is rendered before its first increment).
   void touch(const Labels& labels = {});
-  double value(const Labels& labels = {}) const;
   // Appends `# HELP`, `# TYPE ... counter` and the series.
-  void render(std::string& out) const;
-
- private:
-  std::string name_, help_;
-  Labels const_labels_;
-  mutable std::mutex mutex_;
-  std::map<Labels, double> series_;
+  void render(std::string& out) const { render_as(out, "counter"); }
 };
 
 // A gauge family: one series per label set, set to the latest value.
-class Gauge {
+class Gauge : public SeriesFamily {
  public:
   Gauge(std::string name, std::string help, Labels const_labels = {});
   void set(double value, const Labels& labels = {});
   // Drops every series (an info gauge whose labels change).
   void clear();
-  double value(const Labels& labels = {}) const;
-  void render(std::string& out) const;
-
- private:
-  std::string name_, help_;
-  Labels const_labels_;
-  mutable std::mutex mutex_;
-  std::map<Labels, double> series_;
+  void render(std::string& out) const { render_as(out, "gauge"); }
 };
 
 // A histogram with fixed upper bounds (finite, strictly increasing; `+Inf` is added). Renders
