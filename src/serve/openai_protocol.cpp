@@ -11,14 +11,22 @@ namespace {
 
 std::string error_type(int status) {
   switch (status) {
-    case 400: return "BadRequestError";
-    case 401: return "AuthenticationError";
-    case 404: return "NotFoundError";
-    case 405: return "MethodNotAllowedError";
-    case 413: return "RequestTooLargeError";
-    case 429: return "RateLimitError";
-    case 503: return "ServiceUnavailableError";
-    default: return status >= 500 ? "InternalServerError" : "BadRequestError";
+    case 400:
+      return "BadRequestError";
+    case 401:
+      return "AuthenticationError";
+    case 404:
+      return "NotFoundError";
+    case 405:
+      return "MethodNotAllowedError";
+    case 413:
+      return "RequestTooLargeError";
+    case 429:
+      return "RateLimitError";
+    case 503:
+      return "ServiceUnavailableError";
+    default:
+      return status >= 500 ? "InternalServerError" : "BadRequestError";
   }
 }
 
@@ -129,7 +137,8 @@ bool read_stop(Fields& f, api::SamplingParams& p) {
     return true;
   }
   if (!v->is_array()) return f.fail("stop", "must be a string or an array of strings");
-  if (v->size() > 16) return f.fail("stop", "at most 16 stop strings, got " + std::to_string(v->size()));
+  if (v->size() > 16)
+    return f.fail("stop", "at most 16 stop strings, got " + std::to_string(v->size()));
   for (const json& s : *v) {
     if (!s.is_string()) return f.fail("stop", "must be a string or an array of strings");
     if (!s.get<std::string>().empty()) p.stop.push_back(s.get<std::string>());
@@ -274,8 +283,7 @@ std::optional<ApiError> parse_chat(Fields& f, const ProtocolLimits& limits, Pars
   if (!messages->is_array() || messages->empty()) {
     return bad("messages", "must be a non-empty array of messages");
   }
-  static const std::set<std::string> kRoles = {"system", "developer", "user", "assistant",
-                                               "tool"};
+  static const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool"};
   for (size_t i = 0; i < messages->size(); ++i) {
     const json& m = (*messages)[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
@@ -287,8 +295,8 @@ std::optional<ApiError> parse_chat(Fields& f, const ProtocolLimits& limits, Pars
                                       "\" (system, developer, user, assistant or tool)");
     }
     auto content = m.find("content");
-    const bool has_calls = m.contains("tool_calls") && m["tool_calls"].is_array() &&
-                           !m["tool_calls"].empty();
+    const bool has_calls =
+        m.contains("tool_calls") && m["tool_calls"].is_array() && !m["tool_calls"].empty();
     if (content == m.end() || content->is_null()) {
       if (role->get<std::string>() != "assistant" || !has_calls) {
         return bad(where + ".content", "required");
@@ -314,15 +322,16 @@ std::optional<ApiError> parse_chat(Fields& f, const ProtocolLimits& limits, Pars
       if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
           !t["function"].is_object() || !t["function"].contains("name") ||
           !t["function"]["name"].is_string()) {
-        return bad("tools", "each tool must be {\"type\": \"function\", \"function\": {\"name\", ...}}");
+        return bad("tools",
+                   "each tool must be {\"type\": \"function\", \"function\": {\"name\", ...}}");
       }
     }
     if (!tools->empty()) chat.tools = tools->dump();
   }
   std::string tool_choice = "auto";
   if (const json* choice = f.get("tool_choice"); choice != nullptr) {
-    if (choice->is_string() && (choice->get<std::string>() == "none" ||
-                                choice->get<std::string>() == "auto")) {
+    if (choice->is_string() &&
+        (choice->get<std::string>() == "none" || choice->get<std::string>() == "auto")) {
       tool_choice = choice->get<std::string>();
     } else {
       return bad("tool_choice", "only \"auto\" and \"none\" are supported");
@@ -508,7 +517,9 @@ std::vector<json> ChoiceBuilder::stream_choices(const api::CompletionOutput& out
   if (want_logprobs_ && !out.logprobs.empty()) logprobs = logprobs_json(out.logprobs);
   if (endpoint_ == Endpoint::kCompletions) {
     if (d.content.empty() && logprobs.is_null() && !out.finished) return choices;
-    json c = {{"index", index_}, {"text", d.content}, {"logprobs", logprobs},
+    json c = {{"index", index_},
+              {"text", d.content},
+              {"logprobs", logprobs},
               {"finish_reason", out.finished ? json(finish_reason_) : json(nullptr)}};
     if (out.finished) c["stop_reason"] = stop_reason_;
     choices.push_back(std::move(c));
@@ -529,7 +540,9 @@ std::vector<json> ChoiceBuilder::stream_choices(const api::CompletionOutput& out
   }
   const bool has_delta = !delta.empty();
   if (!has_delta && logprobs.is_null() && !out.finished) return choices;
-  json c = {{"index", index_}, {"delta", std::move(delta)}, {"logprobs", logprobs},
+  json c = {{"index", index_},
+            {"delta", std::move(delta)},
+            {"logprobs", logprobs},
             {"finish_reason", out.finished ? json(finish_reason_) : json(nullptr)}};
   if (out.finished) c["stop_reason"] = stop_reason_;
   choices.push_back(std::move(c));
@@ -554,9 +567,11 @@ json ChoiceBuilder::whole_choice() const {
             {"finish_reason", finish_reason_},
             {"stop_reason", stop_reason_}};
   }
-  json message = {{"role", "assistant"},
-                  {"content", content_.empty() && !calls_.empty() ? json(nullptr) : json(content_)}};
-  if (reasoning_) message["reasoning_content"] = reasoning_text_.empty() ? json(nullptr) : json(reasoning_text_);
+  json message = {
+      {"role", "assistant"},
+      {"content", content_.empty() && !calls_.empty() ? json(nullptr) : json(content_)}};
+  if (reasoning_)
+    message["reasoning_content"] = reasoning_text_.empty() ? json(nullptr) : json(reasoning_text_);
   if (!calls_.empty()) {
     json calls = json::array();
     for (const ToolCall& c : calls_) calls.push_back(tool_call_json(c));

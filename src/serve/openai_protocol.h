@@ -5,7 +5,8 @@
 // Field names and meanings are OpenAI's, with vLLM's extra sampling fields (top_k, min_p,
 // repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 // skip_special_tokens, chat_template_kwargs, add_generation_prompt). A field we do not support is a
-// 400 naming it; the fields vLLM also accepts and ignores (kIgnoredFields) are accepted and ignored.
+// 400 naming it; the fields vLLM also accepts and ignores (kIgnoredFields) are accepted and
+// ignored.
 #pragma once
 
 #include <cstdint>
@@ -71,9 +72,9 @@ std::optional<ApiError> parse_request(Endpoint endpoint, const json& body,
 
 // What the server's flags choose for a chat's output text.
 struct OutputParsing {
-  bool reasoning = false;            // --reasoning-parser qwen3
-  bool reasoning_opened = false;     // the prompt ends inside <think> (prompt_opens_reasoning)
-  bool tool_calls = false;           // --tool-call-parser hermes, and the request asks for tools
+  bool reasoning = false;         // --reasoning-parser qwen3
+  bool reasoning_opened = false;  // the prompt ends inside <think> (prompt_opens_reasoning)
+  bool tool_calls = false;        // --tool-call-parser hermes, and the request asks for tools
   ToolCallIdGenerator make_tool_call_id;  // empty: make_tool_call_id()
 };
 

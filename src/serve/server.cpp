@@ -107,8 +107,8 @@ struct Generation {
     auto it = choices.find(index);
     if (it == choices.end()) {
       it = choices
-               .emplace(index, ChoiceBuilder(chat ? Endpoint::kChat : Endpoint::kCompletions,
-                                             index, parsing, parsed.logprobs))
+               .emplace(index, ChoiceBuilder(chat ? Endpoint::kChat : Endpoint::kCompletions, index,
+                                             parsing, parsed.logprobs))
                .first;
     }
     return it->second;
@@ -235,8 +235,8 @@ void Server::install_routes() {
       const std::string header = req.get_header_value("Authorization");
       const std::string expected = "Bearer " + config_.api_key;
       if (!constant_time_equal(header, expected)) {
-        send_error(res, ApiError{401, "a valid API key is required (Authorization: Bearer KEY)",
-                                 ""});
+        send_error(res,
+                   ApiError{401, "a valid API key is required (Authorization: Bearer KEY)", ""});
         return httplib::Server::HandlerResponse::Handled;
       }
     }
@@ -253,19 +253,26 @@ void Server::install_routes() {
       cv_.notify_all();
     }
   });
-  http.set_error_handler(httplib::Server::HandlerWithResponse(
-      [](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    std::string message;
-    switch (res.status) {
-      case 404: message = "no route " + req.method + " " + req.path; break;
-      case 413: message = "the request body is larger than the server's --max-request-bytes"; break;
-      case 405: message = "method not allowed"; break;
-      default: message = "the request could not be handled (HTTP " + std::to_string(res.status) + ")";
-    }
-    send_error(res, ApiError{res.status, message, ""});
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+  http.set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        std::string message;
+        switch (res.status) {
+          case 404:
+            message = "no route " + req.method + " " + req.path;
+            break;
+          case 413:
+            message = "the request body is larger than the server's --max-request-bytes";
+            break;
+          case 405:
+            message = "method not allowed";
+            break;
+          default:
+            message = "the request could not be handled (HTTP " + std::to_string(res.status) + ")";
+        }
+        send_error(res, ApiError{res.status, message, ""});
+        return httplib::Server::HandlerResponse::Handled;
+      }));
   http.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "internal error";
@@ -336,8 +343,8 @@ void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res
   json rest = *body;
   if (auto it = rest.find("add_special_tokens"); it != rest.end()) {
     if (!it->is_boolean()) {
-      return send_error(res, ApiError{400, "add_special_tokens: must be a boolean",
-                                      "add_special_tokens"});
+      return send_error(
+          res, ApiError{400, "add_special_tokens: must be a boolean", "add_special_tokens"});
     }
     add_special_tokens = it->get<bool>();
     rest.erase(it);
@@ -369,9 +376,8 @@ void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res
   }
   api::Result<std::vector<int32_t>> ids = engine->tokenize(*prompt, add_special_tokens);
   if (!ids.ok()) return send_error(res, ApiError{400, ids.message(), ids.status().field()});
-  send_json(res, {{"count", ids->size()},
-                  {"max_model_len", engine->max_model_len()},
-                  {"tokens", *ids}});
+  send_json(res,
+            {{"count", ids->size()}, {"max_model_len", engine->max_model_len()}, {"tokens", *ids}});
 }
 
 void Server::handle_detokenize(const httplib::Request& req, httplib::Response& res) {
@@ -386,8 +392,9 @@ void Server::handle_detokenize(const httplib::Request& req, httplib::Response& r
   for (const json& t : (*body)["tokens"]) {
     if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
         t.get<int64_t>() >= engine->vocab_size()) {
-      return send_error(res, ApiError{400, "tokens: each must be a token id in [0, " +
-                                               std::to_string(engine->vocab_size()) + ")",
+      return send_error(res, ApiError{400,
+                                      "tokens: each must be a token id in [0, " +
+                                          std::to_string(engine->vocab_size()) + ")",
                                       "tokens"});
     }
     ids.push_back(int32_t(t.get<int64_t>()));
@@ -401,9 +408,10 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
   const Clock::time_point arrival = Clock::now();
   api::LLMEngine* engine = engine_.load();
   if (engine == nullptr || draining_.load()) {
-    return send_error(res, ApiError{503, engine == nullptr ? "the model is loading"
-                                                           : "the server is shutting down",
-                                    ""});
+    return send_error(
+        res,
+        ApiError{503, engine == nullptr ? "the model is loading" : "the server is shutting down",
+                 ""});
   }
   std::optional<json> body = body_json(req, res);
   if (!body) return;
@@ -419,8 +427,10 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
   ParsedRequest& parsed = gen->parsed;
   if (!parsed.model.empty() && parsed.model != config_.served_model_name) {
     return send_error(res, ApiError{404,
-                                    "the model \"" + parsed.model + "\" does not exist here; this "
-                                    "server serves \"" + config_.served_model_name + "\"",
+                                    "the model \"" + parsed.model +
+                                        "\" does not exist here; this "
+                                        "server serves \"" +
+                                        config_.served_model_name + "\"",
                                     "model"});
   }
   if (parsed.parse_tool_calls && config_.tool_call_parser.empty()) {
@@ -429,7 +439,8 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
                                     "--tool-call-parser (or send tool_choice \"none\")",
                                     "tool_choice"});
   }
-  api::Result<std::vector<int32_t>> ids = engine->tokenize(parsed.prompt, parsed.add_special_tokens);
+  api::Result<std::vector<int32_t>> ids =
+      engine->tokenize(parsed.prompt, parsed.add_special_tokens);
   if (!ids.ok()) return send_error(res, ApiError{400, ids.message(), ids.status().field()});
   const int64_t n_prompt = int64_t(ids->size());
   if (!parsed.max_tokens_given && chat) {
@@ -457,14 +468,15 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
   {
     // Under mu_ so that a request finishing at once leaves in_flight_ after it entered it.
     std::lock_guard lock(mu_);
-    api::Result<api::RequestId> submitted = engine->submit(
-        api::Prompt(std::move(ids).value()), parsed.params,
-        [this, exchange](const api::CompletionOutput& out) {
-          // Counted here, where every final output arrives (also a dropped stream's "abort").
-          if (out.finished) metrics_.count_finished(out.finish_reason);
-          exchange->push(out);
-          if (out.request_finished) remove_in_flight(out.request_id);
-        });
+    api::Result<api::RequestId> submitted =
+        engine->submit(api::Prompt(std::move(ids).value()), parsed.params,
+                       [this, exchange](const api::CompletionOutput& out) {
+                         // Counted here, where every final output arrives (also a dropped stream's
+                         // "abort").
+                         if (out.finished) metrics_.count_finished(out.finish_reason);
+                         exchange->push(out);
+                         if (out.request_finished) remove_in_flight(out.request_id);
+                       });
     if (!submitted.ok()) {
       return send_error(res, ApiError{400, submitted.message(), submitted.status().field()});
     }
@@ -474,7 +486,7 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
 
   // Takes the engine's outputs into the choices; `emit` gets each stream chunk's choices.
   auto absorb = [this, gen](const std::vector<api::CompletionOutput>& outs,
-                            const std::function<void(std::vector<json>&&)>& emit) {
+                            const std::function<void(std::vector<json> &&)>& emit) {
     for (const api::CompletionOutput& out : outs) {
       if (!out.token_ids.empty()) {
         const Clock::time_point now = Clock::now();
@@ -513,7 +525,8 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
     }
     json response = gen->envelope(chat ? "chat.completion" : "text_completion");
     json choices = json::array();
-    for (int32_t i = 0; i < int32_t(parsed.params.n); ++i) choices.push_back(gen->choice(i).whole_choice());
+    for (int32_t i = 0; i < int32_t(parsed.params.n); ++i)
+      choices.push_back(gen->choice(i).whole_choice());
     response["choices"] = std::move(choices);
     response["usage"] = usage_json(gen->usage);
     return send_json(res, response);
@@ -521,53 +534,61 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
 
   const char* chunk_object = chat ? "chat.completion.chunk" : "text_completion";
   res.set_header("Cache-Control", "no-cache");
+  auto provide = [this, gen, absorb, chunk_object, engine](httplib::DataSink& sink) -> bool {
+    auto write_event = [&](const json& event) {
+      const std::string line = "data: " + to_text(event) + "\n\n";
+      return sink.write(line.data(), line.size());
+    };
+    bool ok = true;
+    std::string error;
+    auto emit = [&](std::vector<json>&& choices) {
+      for (json& c : choices) {
+        if (c.value("finish_reason", json()).is_string() &&
+            c["finish_reason"].get<std::string>() == "error") {
+          error = gen->choice(c["index"].get<int32_t>()).error();
+          continue;
+        }
+        json event = gen->envelope(chunk_object);
+        event["choices"] = json::array({std::move(c)});
+        if (ok && !write_event(event)) ok = false;
+      }
+    };
+    std::vector<api::CompletionOutput> outs = gen->exchange->take(std::chrono::milliseconds(100));
+    if (outs.empty() && !gen->done) {
+      if (!sink.is_writable()) ok = false;
+    } else {
+      absorb(outs, emit);
+    }
+    if (!ok) {
+      // The client went away: its request leaves the engine now.
+      engine->abort(gen->engine_id);
+      return false;
+    }
+    if (!gen->done) return true;
+    if (!error.empty()) {
+      write_event(error_body(ApiError{500, error, ""}));
+    }
+    if (gen->parsed.include_usage) {
+      json event = gen->envelope(chunk_object);
+      event["choices"] = json::array();
+      event["usage"] = usage_json(gen->usage);
+      write_event(event);
+    }
+    const std::string done = "data: [DONE]\n\n";
+    sink.write(done.data(), done.size());
+    sink.done();
+    return true;
+  };
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, gen, absorb, chunk_object, engine](size_t, httplib::DataSink& sink) {
-        auto write_event = [&](const json& event) {
-          const std::string line = "data: " + to_text(event) + "\n\n";
-          return sink.write(line.data(), line.size());
-        };
-        bool ok = true;
-        std::string error;
-        auto emit = [&](std::vector<json>&& choices) {
-          for (json& c : choices) {
-            if (c.value("finish_reason", json()).is_string() &&
-                c["finish_reason"].get<std::string>() == "error") {
-              error = gen->choice(c["index"].get<int32_t>()).error();
-              continue;
-            }
-            json event = gen->envelope(chunk_object);
-            event["choices"] = json::array({std::move(c)});
-            if (ok && !write_event(event)) ok = false;
-          }
-        };
-        std::vector<api::CompletionOutput> outs =
-            gen->exchange->take(std::chrono::milliseconds(100));
-        if (outs.empty() && !gen->done) {
-          if (!sink.is_writable()) ok = false;
-        } else {
-          absorb(outs, emit);
-        }
-        if (!ok) {
-          // The client went away: its request leaves the engine now.
+      [provide, gen, engine](size_t, httplib::DataSink& sink) {
+        // Nothing in a stream may take the server down: a failure ends this stream only.
+        try {
+          return provide(sink);
+        } catch (...) {
           engine->abort(gen->engine_id);
           return false;
         }
-        if (!gen->done) return true;
-        if (!error.empty()) {
-          write_event(error_body(ApiError{500, error, ""}));
-        }
-        if (gen->parsed.include_usage) {
-          json event = gen->envelope(chunk_object);
-          event["choices"] = json::array();
-          event["usage"] = usage_json(gen->usage);
-          write_event(event);
-        }
-        const std::string done = "data: [DONE]\n\n";
-        sink.write(done.data(), done.size());
-        sink.done();
-        return true;
       },
       [gen, engine](bool) {
         // Released on success and on a dropped connection alike: a request still running is

@@ -36,12 +36,12 @@ struct ServerConfig {
   int port = 8000;  // 0: any free port (bind() says which)
   // Every /v1 route needs "Authorization: Bearer <api_key>" when set.
   std::string api_key;
-  std::string served_model_name;  // the model's id in /v1/models and responses
-  std::string tool_call_parser;   // "" or "hermes"
-  std::string reasoning_parser;   // "" or "qwen3"
+  std::string served_model_name;                  // the model's id in /v1/models and responses
+  std::string tool_call_parser;                   // "" or "hermes"
+  std::string reasoning_parser;                   // "" or "qwen3"
   int64_t max_request_bytes = int64_t(16) << 20;  // larger bodies: 413
-  int max_connections = 256;  // requests in flight at once; more: 429
-  int timeout_seconds = 300;  // socket read and write timeouts (slow clients)
+  int max_connections = 256;                      // requests in flight at once; more: 429
+  int timeout_seconds = 300;                      // socket read and write timeouts (slow clients)
   std::string version;
 };
 

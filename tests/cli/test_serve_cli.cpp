@@ -7,9 +7,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <future>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -53,8 +53,8 @@ TEST(ServeCli, SigtermFinishesTheRequestInFlightThenExitsZero) {
     FILE* out = std::freopen(out_path.c_str(), "w", stdout);
     FILE* err = std::freopen(err_path.c_str(), "w", stderr);
     if (out == nullptr || err == nullptr) ::_exit(127);
-    ::execl(E4KV_CLI_PATH, E4KV_CLI_PATH, "serve", kModel.c_str(), "--port", "0",
-            "--max-model-len", "512", "--threads", "2", static_cast<char*>(nullptr));
+    ::execl(E4KV_CLI_PATH, E4KV_CLI_PATH, "serve", kModel.c_str(), "--port", "0", "--max-model-len",
+            "512", "--threads", "2", static_cast<char*>(nullptr));
     ::_exit(127);
   }
   ASSERT_GT(pid, 0);

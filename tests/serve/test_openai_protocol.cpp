@@ -154,9 +154,9 @@ TEST(OpenAiProtocol, EveryRefusalNamesItsField) {
   EXPECT_EQ(refused_field(kChat, R"({"messages": [{"role": "user"}]})"), "messages[0].content");
   EXPECT_EQ(refused_field(kChat, R"({"messages": [{"role": "user", "content": 7}]})"),
             "messages[0].content");
-  EXPECT_EQ(
-      refused_field(kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"),
-      "messages[0].content");
+  EXPECT_EQ(refused_field(
+                kChat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"),
+            "messages[0].content");
   EXPECT_EQ(refused_field(kChat, R"({"messages": [{"role": "user", "content": "x"}],
                                       "top_logprobs": 3})"),
             "top_logprobs");
@@ -211,7 +211,12 @@ TEST(OpenAiProtocol, ChatStreamCarriesReasoningContentAndToolCalls) {
   int next_id = 0;
   parsing.make_tool_call_id = [&] { return "call_" + std::to_string(next_id++); };
   const std::vector<std::string> pieces = {
-      "<think>", "\nplan it\n", "</think>\n\n", "Sure.", "\n<tool_", "call>\n{\"name\": \"get_",
+      "<think>",
+      "\nplan it\n",
+      "</think>\n\n",
+      "Sure.",
+      "\n<tool_",
+      "call>\n{\"name\": \"get_",
       "weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"};
   ChoiceBuilder streamed(Endpoint::kChat, 0, parsing, false);
   int whole_next_id = 0;

@@ -34,7 +34,8 @@ constexpr const char* kKey = "test-key";
 api::EngineConfig engine_config() {
   api::EngineConfig c;
   c.model = std::string(E4KV_SOURCE_DIR) + "/models/tiny-qwen4exp";
-  c.chat_template = std::string(E4KV_SOURCE_DIR) + "/tests/data/chat_templates/qwen3/template.jinja";
+  c.chat_template =
+      std::string(E4KV_SOURCE_DIR) + "/tests/data/chat_templates/qwen3/template.jinja";
   c.max_model_len = 512;
   c.max_num_seqs = 8;
   c.num_gpu_blocks_override = 16;  // 1024 tokens: 8 requests of 160+ tokens (3 blocks) do not fit
@@ -141,9 +142,9 @@ TEST_F(ServeTest, HostileRequestsGetErrorsAndTheServerStaysUp) {
   Running s(engine_);
   httplib::Client c = s.client();
   const std::string chat = "/v1/chat/completions", comp = "/v1/completions";
-  EXPECT_EQ(error_param(post(c, comp, "{\"prompt\": "), 400), "");                   // malformed
-  EXPECT_EQ(error_param(post(c, comp, "[1, 2]"), 400), "");                          // not an object
-  EXPECT_EQ(error_param(post(c, comp, "{\"prompt\": \"\xff\xfe\"}"), 400), "");      // bad UTF-8
+  EXPECT_EQ(error_param(post(c, comp, "{\"prompt\": "), 400), "");               // malformed
+  EXPECT_EQ(error_param(post(c, comp, "[1, 2]"), 400), "");                      // not an object
+  EXPECT_EQ(error_param(post(c, comp, "{\"prompt\": \"\xff\xfe\"}"), 400), "");  // bad UTF-8
   EXPECT_EQ(error_param(post(c, comp, std::string(300, '[') + std::string(300, ']')), 400), "");
   EXPECT_EQ(error_param(post(c, comp, R"({"prompt": "x", "temperature": "hot"})"), 400),
             "temperature");
@@ -157,8 +158,9 @@ TEST_F(ServeTest, HostileRequestsGetErrorsAndTheServerStaysUp) {
                         400),
             "top_logprobs");
   EXPECT_EQ(error_param(post(c, chat, R"({"messages": []})"), 400), "messages");
-  EXPECT_EQ(error_param(post(c, chat, R"({"messages": [{"role": "pirate", "content": "x"}]})"), 400),
-            "messages[0].role");
+  EXPECT_EQ(
+      error_param(post(c, chat, R"({"messages": [{"role": "pirate", "content": "x"}]})"), 400),
+      "messages[0].role");
   EXPECT_EQ(error_param(post(c, chat, R"({"messages": [{"role": "user", "content": ""}],
                                           "tools": 5})"),
                         400),
@@ -197,9 +199,9 @@ TEST_F(ServeTest, ConcurrentRequestsGetWhatTheyGetAlone) {
   // Greedy requests run one at a time through the server, then all at once with a pool that
   // must preempt: each gets the tokens it got alone, up to the first step whose top-2 logprob
   // margin alone is below 1e-3 (where batched arithmetic may pick the other token).
-  const std::vector<std::string> prompts = {"Once upon a time", "The cat", "In the year 2000,",
-                                            "Hello", "A long time ago in a", "Water is",
-                                            "The quick brown fox", "Numbers: 1, 2, 3,"};
+  const std::vector<std::string> prompts = {
+      "Once upon a time",     "The cat",  "In the year 2000,",   "Hello",
+      "A long time ago in a", "Water is", "The quick brown fox", "Numbers: 1, 2, 3,"};
   Running s(engine_, [] {
     ServerConfig c = server_config();
     c.max_connections = 16;
@@ -207,8 +209,11 @@ TEST_F(ServeTest, ConcurrentRequestsGetWhatTheyGetAlone) {
   }());
   auto request = [&](size_t i) {
     httplib::Client c = s.client();
-    json body = {{"prompt", prompts[i]}, {"max_tokens", 160}, {"ignore_eos", true},
-                 {"temperature", 0.0},   {"logprobs", 2}};
+    json body = {{"prompt", prompts[i]},
+                 {"max_tokens", 160},
+                 {"ignore_eos", true},
+                 {"temperature", 0.0},
+                 {"logprobs", 2}};
     return post(c, "/v1/completions", body.dump());
   };
   std::vector<Reply> alone;
@@ -345,7 +350,8 @@ TEST_F(ServeTest, StreamWithUsageMatchesTheWholeAnswer) {
     EXPECT_EQ(events[i]["id"], events[0]["id"]);
     const json& delta = events[i]["choices"][0]["delta"];
     if (delta.contains("content")) content += delta["content"].get<std::string>();
-    if (delta.contains("reasoning_content")) reasoning += delta["reasoning_content"].get<std::string>();
+    if (delta.contains("reasoning_content"))
+      reasoning += delta["reasoning_content"].get<std::string>();
   }
   EXPECT_EQ(events[0]["choices"][0]["delta"]["role"], "assistant");
   const json& usage_event = events.back();
@@ -389,17 +395,17 @@ TEST_F(ServeTest, MoreConnectionsThanTheLimitGet429) {
     holders.emplace_back([&] {
       httplib::Client c = s.client();
       bool counted = false;
-      read_stream(
-          c, "/v1/completions",
-          R"({"prompt": "Hello", "max_tokens": 300, "ignore_eos": true, "stream": true})",
-          [&](size_t n) {
-            if (n > 0 && !counted) {
-              counted = true;
-              streaming.fetch_add(1);
-            }
-            while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-            return false;
-          });
+      read_stream(c, "/v1/completions",
+                  R"({"prompt": "Hello", "max_tokens": 300, "ignore_eos": true, "stream": true})",
+                  [&](size_t n) {
+                    if (n > 0 && !counted) {
+                      counted = true;
+                      streaming.fetch_add(1);
+                    }
+                    while (!release.load())
+                      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                    return false;
+                  });
     });
   }
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -497,8 +503,9 @@ TEST_F(ServeTest, TokenizeRendersTheChatWithTools) {
   EXPECT_NE(text.find("Weather now"), std::string::npos);
   EXPECT_NE(text.find("minus four degrees"), std::string::npos);
   // The same chat through /v1/chat/completions counts the same prompt tokens.
-  Reply chat = post(c, "/v1/chat/completions",
-                    R"({"messages": )" + messages + R"(, "tools": )" + tools + R"(, "max_tokens": 1})");
+  Reply chat =
+      post(c, "/v1/chat/completions",
+           R"({"messages": )" + messages + R"(, "tools": )" + tools + R"(, "max_tokens": 1})");
   ASSERT_EQ(chat.status, 200) << chat.body.dump();
   EXPECT_EQ(chat.body["usage"]["prompt_tokens"], t.body["count"]);
   EXPECT_EQ(error_param(post(c, "/detokenize", R"({"tokens": [-1]})"), 400), "tokens");

@@ -3,8 +3,8 @@
 // Start-up: the listener binds first (so /health answers 503 while the model loads), then the
 // engine loads — the scale gate fails closed here: its message, exit code 1 — then one warm-up
 // request runs, then /health says 200 and "e4kv serve: listening on http://HOST:PORT" goes to
-// stdout. SIGTERM and SIGINT stop accepting, give the requests in flight --shutdown-timeout seconds,
-// abort what is left, and exit 0.
+// stdout. SIGTERM and SIGINT stop accepting, give the requests in flight --shutdown-timeout
+// seconds, abort what is left, and exit 0.
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -153,8 +153,9 @@ Status run_serve(ServeArgs& args) {
 void add_serve_command(CLI::App& app, Status& result) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics, a "
-               "chat page at /)");
+      "serve",
+      "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics, a "
+      "chat page at /)");
   add_model_flags(cmd, args->model);
   add_pool_flags(cmd, args->model);
   cmd->add_option("--host", args->server.host, "Address to listen on (default: loopback only)")
