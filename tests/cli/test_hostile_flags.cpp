@@ -69,6 +69,9 @@ struct CommandSpec {
   // Flags that exclude one another (the KV pool's sizes): each is on the line only when it is the
   // flag under test.
   std::set<std::string> alone;
+  // A command that serves until stopped (serve): a valid value must bring it to "listening on",
+  // and SIGTERM must then end it with exit code 0.
+  bool serves = false;
 };
 
 const std::set<std::string> kPoolFlags = {"--kv-cache-memory-bytes", "--num-gpu-blocks-override",
@@ -114,6 +117,27 @@ const std::vector<CommandSpec>& commands() {
         {"--num-gpu-blocks-override", "8"},
         {"--gpu-memory-utilization", "0.5"}},
        kPoolFlags},
+      {"serve",
+       Output::kNone,
+       false,
+       [](const Paths& p) -> std::vector<std::string> {
+         return {"serve", p.llama.string(), "--no-warmup"};
+       },
+       {{"--port", "0"},
+        {"--block-size", "16"},
+        {"--max-model-len", "64"},
+        {"--threads", "1"},
+        {"--max-num-seqs", "2"},
+        {"--max-num-batched-tokens", "0"},
+        {"--max-request-bytes", "65536"},
+        {"--max-connections", "4"},
+        {"--timeout", "5"},
+        {"--shutdown-timeout", "1"},
+        {"--kv-cache-memory-bytes", "65536"},
+        {"--num-gpu-blocks-override", "8"},
+        {"--gpu-memory-utilization", "0.5"}},
+       kPoolFlags,
+       true},
       {"logits",
        Output::kNone,
        false,
@@ -230,6 +254,17 @@ const std::map<std::pair<std::string, std::string>, std::set<std::string>>& vali
     v[{"bench", "--max-model-len"}] = {"0"};
     v[{"bench", "--threads"}] = {"0"};
     v[{"bench", "--seed"}] = zero_and_large;
+    // serve: 0 is any free port; 0 sequences / batched tokens / threads / max model length are
+    // the defaults; a 2 GiB pool and a 2 GiB request limit are sizes like others; 0 s to finish
+    // the requests in flight aborts them at once.
+    v[{"serve", "--port"}] = {"0"};
+    v[{"serve", "--max-model-len"}] = {"0"};
+    v[{"serve", "--threads"}] = {"0"};
+    v[{"serve", "--max-num-seqs"}] = {"0"};
+    v[{"serve", "--max-num-batched-tokens"}] = {"0"};
+    v[{"serve", "--kv-cache-memory-bytes"}] = {"2147483648"};
+    v[{"serve", "--max-request-bytes"}] = {"2147483648"};
+    v[{"serve", "--shutdown-timeout"}] = {"0"};
     v[{"calibrate", "--max-model-len"}] = {"0"};
     v[{"compare", "--max-model-len"}] = {"0"};
     v[{"calibrate", "--threads"}] = {"0"};
@@ -325,15 +360,22 @@ TEST_P(HostileFlags, RefusedWithOneLineOrAcceptedWhenValid) {
       args.push_back(name == flag ? value : default_value);
     }
     SCOPED_TRACE(join(args));
-    const TimedRunResult r = run_cli_timed(scratch_, args, run_timeout());
+    const testing_support::ServedRunResult r =
+        command.serves ? testing_support::run_cli_serving(scratch_, args, run_timeout())
+                       : testing_support::ServedRunResult{run_cli_timed(scratch_, args,
+                                                                        run_timeout())};
 
     EXPECT_FALSE(r.timed_out) << "still running after " << r.seconds << " s; killed";
     EXPECT_TRUE(r.exited) << "ended by signal " << r.signal << "\n" << r.err;
     EXPECT_FALSE(has_sanitizer_report(r.err)) << r.err;
     if (is_valid(command.name, flag, value)) {
       EXPECT_EQ(r.exit_code, 0) << "the value is valid for " << flag << "\n" << r.err;
+      if (command.serves) {
+        EXPECT_TRUE(r.served) << "never listening\n" << r.err;
+      }
       continue;
     }
+    EXPECT_FALSE(r.served) << "a refused value, yet it served:\n" << r.out;
     EXPECT_TRUE(r.exit_code == 1 || r.exit_code == 2) << "exit code " << r.exit_code << "\n"
                                                       << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;

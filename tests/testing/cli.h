@@ -134,6 +134,76 @@ inline TimedRunResult run_cli_timed(const std::filesystem::path& scratch,
   return result;
 }
 
+// run_cli_timed for a command that serves until told to stop (`e4kv serve`): once its stdout
+// holds `ready` ("listening on"), it gets SIGTERM and must exit by itself. `served` says whether
+// it got that far; a command that ends before (a refused flag) is reported as it ended.
+struct ServedRunResult : TimedRunResult {
+  bool served = false;
+};
+inline ServedRunResult run_cli_serving(const std::filesystem::path& scratch,
+                                       const std::vector<std::string>& args,
+                                       std::chrono::milliseconds timeout,
+                                       const std::string& ready = "listening on") {
+  const std::filesystem::path out_path = scratch / "serve_stdout.txt";
+  const std::filesystem::path err_path = scratch / "serve_stderr.txt";
+  std::vector<std::string> argv_text{E4KV_CLI_PATH};
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : argv_text) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  ServedRunResult result;
+  const auto start = std::chrono::steady_clock::now();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    const int out_fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int null_fd = ::open("/dev/null", O_RDONLY);
+    if (out_fd < 0 || err_fd < 0 || null_fd < 0) ::_exit(127);
+    ::dup2(null_fd, STDIN_FILENO);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  if (pid < 0) {
+    ADD_FAILURE() << "fork failed";
+    return result;
+  }
+  ::setpgid(pid, pid);
+  int status = 0;
+  bool signalled = false;
+  while (true) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0) {
+      ADD_FAILURE() << "waitpid failed";
+      return result;
+    }
+    if (!signalled && read_text(out_path).find(ready) != std::string::npos) {
+      result.served = true;
+      signalled = true;
+      ::kill(pid, SIGTERM);
+    }
+    if (std::chrono::steady_clock::now() - start > timeout) {
+      result.timed_out = true;
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.exited = WIFEXITED(status);
+  result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
+  result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  result.out = read_text(out_path);
+  result.err = read_text(err_path);
+  std::filesystem::remove(out_path);
+  std::filesystem::remove(err_path);
+  return result;
+}
+
 // Exit code 1, nothing on stdout, one "e4kv: error:" line containing `needle`.
 inline void expect_one_line_error(const RunResult& r, const std::string& needle) {
   SCOPED_TRACE(needle);

@@ -16,6 +16,7 @@
 
 #include "commands.h"
 #include "model_setup.h"
+#include "numeric_flags.h"
 #ifdef E4KV_HAVE_SERVE
 #include "serve/server.h"
 #endif
@@ -161,7 +162,7 @@ void add_serve_command(CLI::App& app, Status& result) {
   cmd->add_option("--host", args->server.host, "Address to listen on (default: loopback only)")
       ->capture_default_str();
   cmd->add_option("--port", args->server.port, "Port (0: any free port)")
-      ->check(CLI::Range(0, 65535))
+      ->transform(decimal_integer<int>(0, 65535))
       ->capture_default_str();
   cmd->add_option("--api-key", args->server.api_key,
                   "Every /v1 route needs 'Authorization: Bearer KEY' (or set E4KV_API_KEY)");
@@ -176,24 +177,25 @@ void add_serve_command(CLI::App& app, Status& result) {
                   "Return <think>...</think> as reasoning_content: qwen3")
       ->check(CLI::IsMember({"qwen3"}));
   cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences running at once (0: 64)")
-      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+      ->transform(decimal_integer<int64_t>(0, int64_t(1) << 20));
   cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens,
                   "Rows of one forward (0: the model's default)")
-      ->check(CLI::Range(int64_t(0), int64_t(1) << 30));
+      ->transform(decimal_integer<int64_t>(0, int64_t(1) << 30));
   cmd->add_option("--max-request-bytes", args->server.max_request_bytes,
                   "Larger request bodies get 413")
-      ->check(CLI::Range(int64_t(1024), int64_t(1) << 32))
+      ->transform(decimal_integer<int64_t>(1024, int64_t(1) << 32))
       ->capture_default_str();
   cmd->add_option("--max-connections", args->server.max_connections,
                   "Requests handled at once; more get 429")
-      ->check(CLI::Range(1, 65536))
+      ->transform(decimal_integer<int>(1, 65536))
       ->capture_default_str();
   cmd->add_option("--timeout", args->server.timeout_seconds,
                   "Socket read and write timeout in seconds (slow clients)")
-      ->check(CLI::Range(1, 86400))
+      ->transform(decimal_integer<int>(1, 86400))
       ->capture_default_str();
   cmd->add_option("--shutdown-timeout", args->shutdown_timeout,
                   "Seconds the requests in flight get to finish after SIGTERM or SIGINT")
+      ->transform(finite_number())
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   cmd->add_flag("--special-tokens-in-content", args->special_tokens_in_content,
