@@ -471,9 +471,9 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
     api::Result<api::RequestId> submitted =
         engine->submit(api::Prompt(std::move(ids).value()), parsed.params,
                        [this, exchange](const api::CompletionOutput& out) {
-                         // Counted here, where every final output arrives (also a dropped stream's
-                         // "abort").
-                         if (out.finished) metrics_.count_finished(out.finish_reason);
+                         // Counted here, where every request's last output arrives (also a
+                         // dropped stream's "abort"): once per request, by its last reason.
+                         if (out.request_finished) metrics_.count_finished(out.finish_reason);
                          exchange->push(out);
                          if (out.request_finished) remove_in_flight(out.request_id);
                        });

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <set>
 #include <string>
@@ -531,6 +532,19 @@ TEST_F(ServeTest, MetricsFollowTheEngine) {
   EXPECT_NE(m->body.find("e4kv:time_to_first_token_seconds_count{model_name=\"tiny\"} 1"),
             std::string::npos)
       << m->body;
+  // Finished requests are counted once per request, also with n completions.
+  const std::string length_series =
+      "e4kv:request_success_total{model_name=\"tiny\",finished_reason=\"length\"} ";
+  auto count_length = [&] {
+    const std::string body = c.Get("/metrics")->body;
+    const size_t at = body.find(length_series);
+    return at == std::string::npos ? -1 : std::atoi(body.c_str() + at + length_series.size());
+  };
+  const int before = count_length();
+  Reply two = post(c, "/v1/completions",
+                   R"({"prompt": "Hello", "max_tokens": 3, "n": 2, "ignore_eos": true})");
+  ASSERT_EQ(two.status, 200) << two.body.dump();
+  EXPECT_EQ(count_length(), before + 1);
 }
 
 }  // namespace
