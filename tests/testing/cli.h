@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,9 +76,12 @@ struct TimedRunResult : RunResult {
 // Runs `e4kv args...` directly (no shell) with stdout and stderr captured in files under `scratch`,
 // in a process group of its own that is killed when it runs longer than `timeout`: a hang is a
 // test failure, not a stuck CI job. Reports the signal that ended the process, if any.
-inline TimedRunResult run_cli_timed(const std::filesystem::path& scratch,
-                                    const std::vector<std::string>& args,
-                                    std::chrono::milliseconds timeout) {
+// `poll`, when given, is called with the child's pid and its stdout path on every poll while it
+// runs (run_cli_serving stops a server through it).
+inline TimedRunResult run_cli_timed(
+    const std::filesystem::path& scratch, const std::vector<std::string>& args,
+    std::chrono::milliseconds timeout,
+    const std::function<void(pid_t, const std::filesystem::path&)>& poll = {}) {
   const std::filesystem::path out_path = scratch / "stdout.txt";
   const std::filesystem::path err_path = scratch / "stderr.txt";
   std::vector<std::string> argv_text{E4KV_CLI_PATH};
@@ -115,6 +119,7 @@ inline TimedRunResult run_cli_timed(const std::filesystem::path& scratch,
       ADD_FAILURE() << "waitpid failed";
       return result;
     }
+    if (poll) poll(pid, out_path);
     if (std::chrono::steady_clock::now() - start > timeout) {
       result.timed_out = true;
       ::kill(-pid, SIGKILL);
@@ -144,63 +149,15 @@ inline ServedRunResult run_cli_serving(const std::filesystem::path& scratch,
                                        const std::vector<std::string>& args,
                                        std::chrono::milliseconds timeout,
                                        const std::string& ready = "listening on") {
-  const std::filesystem::path out_path = scratch / "serve_stdout.txt";
-  const std::filesystem::path err_path = scratch / "serve_stderr.txt";
-  std::vector<std::string> argv_text{E4KV_CLI_PATH};
-  argv_text.insert(argv_text.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& arg : argv_text) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  ServedRunResult result;
-  const auto start = std::chrono::steady_clock::now();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    const int out_fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err_fd = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int null_fd = ::open("/dev/null", O_RDONLY);
-    if (out_fd < 0 || err_fd < 0 || null_fd < 0) ::_exit(127);
-    ::dup2(null_fd, STDIN_FILENO);
-    ::dup2(out_fd, STDOUT_FILENO);
-    ::dup2(err_fd, STDERR_FILENO);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  if (pid < 0) {
-    ADD_FAILURE() << "fork failed";
-    return result;
-  }
-  ::setpgid(pid, pid);
-  int status = 0;
-  bool signalled = false;
-  while (true) {
-    const pid_t done = ::waitpid(pid, &status, WNOHANG);
-    if (done == pid) break;
-    if (done < 0) {
-      ADD_FAILURE() << "waitpid failed";
-      return result;
-    }
-    if (!signalled && read_text(out_path).find(ready) != std::string::npos) {
-      result.served = true;
-      signalled = true;
-      ::kill(pid, SIGTERM);
-    }
-    if (std::chrono::steady_clock::now() - start > timeout) {
-      result.timed_out = true;
-      ::kill(-pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.exited = WIFEXITED(status);
-  result.exit_code = result.exited ? WEXITSTATUS(status) : -1;
-  result.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-  result.out = read_text(out_path);
-  result.err = read_text(err_path);
-  std::filesystem::remove(out_path);
-  std::filesystem::remove(err_path);
+  bool served = false;
+  ServedRunResult result{run_cli_timed(
+      scratch, args, timeout, [&](pid_t pid, const std::filesystem::path& out_path) {
+        if (!served && read_text(out_path).find(ready) != std::string::npos) {
+          served = true;
+          ::kill(pid, SIGTERM);
+        }
+      })};
+  result.served = served;
   return result;
 }
 

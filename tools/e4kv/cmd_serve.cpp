@@ -17,6 +17,7 @@
 #include "commands.h"
 #include "model_setup.h"
 #include "numeric_flags.h"
+#include "option_flags.h"
 #ifdef E4KV_HAVE_SERVE
 #include "serve/server.h"
 #endif
@@ -119,9 +120,7 @@ Status run_serve(ServeArgs& args) {
       }
     }
     if (!field.empty() && message.rfind(field + ":", 0) == 0) {
-      std::string flag = field == "kv_scales_mode" ? "kv-scales" : field;
-      for (char& c : flag) c = c == '_' ? '-' : c;
-      const std::string name = field == "model" ? std::string("MODEL") : "--" + flag;
+      const std::string name = field == "model" ? std::string("MODEL") : flag_for_option(field);
       message.replace(0, field.size(), name);
     }
     return Status::error(message);
