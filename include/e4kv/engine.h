@@ -261,7 +261,8 @@ class RequestStream {
   virtual std::vector<Completion> collect_all() = 0;
 };
 
-// What the engine holds now (stats()): a snapshot taken by the loop after each step.
+// What the engine holds now (stats()): a snapshot taken by the loop after each step and before each
+// request's final output is delivered (so it counts that request's tokens).
 struct EngineStats {
   int64_t running = 0;  // sequences in the running batch
   int64_t waiting = 0;  // sequences waiting (new, or preempted), and requests not yet admitted

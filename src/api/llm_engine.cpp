@@ -556,12 +556,14 @@ class LLMEngine::Impl {
   }
 
   // The final output: the request leaves in_flight_ first, so abort() from the callback on says
-  // false.
+  // false, and stats() already counts its tokens when the caller hears it finished (a client that
+  // reads the metrics after its response must see its own request in them).
   void finish_and_call(Live& live, const CompletionOutput& out) {
     {
       std::lock_guard lock(mu_);
       in_flight_.erase(live.id);
     }
+    publish_stats();
     call(live, out);
   }
 
