@@ -184,12 +184,23 @@ def main():
     p.add_argument("--drop", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-prompts", default="")
+    p.add_argument("--wait-ready", type=float, default=0,
+                   help="seconds to wait for /health to answer 200 (a server still loading)")
     args = p.parse_args()
     args.token_prompts = tuple(int(x) for x in args.token_prompts.split(",")) \
         if args.token_prompts else None
     args.max_tokens = tuple(int(x) for x in args.max_tokens.split(","))
     args.prompt_words = tuple(int(x) for x in args.prompt_words.split(","))
     load = Load(args)
+    ready_by = time.monotonic() + args.wait_ready
+    while True:
+        try:
+            status, _ = load.get("/health")
+        except OSError:
+            status = 0
+        if status == 200 or time.monotonic() >= ready_by:
+            break
+        time.sleep(0.5)
     start = time.monotonic()
     until = start + args.seconds
     threads = [threading.Thread(target=load.client, args=(i, until)) for i in range(args.clients)]

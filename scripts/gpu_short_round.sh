@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The smallest GPU round worth a machine start, for when only a few device minutes are left: the
+# prebuilt CUDA tests (out/gpubin.tar.xz, scripts/gpu_prebuilt.sh) while the Qwen4Exp benchmark
+# checkpoint is written beside them, then `e4kv serve` on that checkpoint under bench/serve_load.py
+# for LOAD_SECONDS. Each part has its own time cap so the whole ends inside ROUND_SECONDS and what
+# finished is in $OUT even when a later part is cut off. Carry .deps.tar.xz and out/gpubin.tar.xz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+left() { echo $((${ROUND_SECONDS:-180} - ($(date +%s) - T0))); }
+scripts/gpu_prebuilt.sh unpack | tee "$OUT/unpack.txt"
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
+B=build-gpu90
+CKPT=${E4KV_BENCH_CKPT:-/tmp/e4kv_q4e}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.txt"
+echo "prebuilt: $(cat $B/COMMIT)" | tee -a "$OUT/env.txt"
+
+rm -rf "$CKPT"
+(
+  t=$(date +%s)
+  $B/bench/e4kv_bench_qwen4exp --keep-checkpoint "$CKPT" --checkpoint-only >"$OUT/checkpoint.log" 2>&1
+  echo "checkpoint rc=$? $(($(date +%s) - t)) s" >>"$OUT/checkpoint.log"
+) &
+writer=$!
+
+t=$(date +%s)
+timeout "${TESTS_SECONDS:-80}" $B/tests/e4kv_cuda_tests --gtest_brief=1 >"$OUT/cuda_tests.log" 2>&1
+echo "=== cuda_tests rc=$? $(($(date +%s) - t)) s"
+grep -E '^\[  FAILED|Failure|PASSED|FAILED TEST' "$OUT/cuda_tests.log" | head -40
+
+wait $writer
+tail -2 "$OUT/checkpoint.log"
+[ -f "$CKPT/config.json" ] || { echo "no checkpoint"; exit 1; }
+budget=$(($(left) - 10))
+[ "$budget" -gt 40 ] || { echo "no time left for the serve run ($budget s)"; exit 0; }
+LOAD_SECONDS=${LOAD_SECONDS:-30} PHASE=serve timeout "$budget" bench/serving_gpu.sh
+echo "=== serve rc=$? after $(($(date +%s) - T0)) s"
