@@ -12,6 +12,7 @@ packages=(
   libcpp-httplib-dev  # `e4kv serve`
   clang libclang-rt-dev  # libFuzzer and sanitizers for the safetensors header fuzzer
   chromium          # the chat page's test (tests/serve_js) drives it headless; no browser download
+  python3-numpy     # scripts/quantize_checkpoint.py and its tests (tests/scripts)
 )
 # tests/serve_js runs on Node.js; Debian's only when no node (e.g. NodeSource's) is installed.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
