@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/check.h"
+
 namespace e4kv {
 namespace {
 
@@ -107,6 +109,36 @@ Status Backend::sigmoid_gated_add(void*, const void*, const void*, int64_t, int6
 }
 Status Backend::ple_gate(const void*, const void*, const void*, int64_t, int64_t, int64_t, void*) {
   return no_hybrid_op(*this, "ple_gate");
+}
+
+Status Backend::linear(const void* x, const LinearView& w, const void* bias, int64_t n, void* y,
+                       DType y_dtype) {
+  if (w.dense()) return linear(x, w.data, bias, n, w.in, w.out, y, y_dtype);
+  return linear_quantized(x, w, bias, n, y, y_dtype);
+}
+Status Backend::linear_quantized(const void*, const LinearView& w, const void*, int64_t, void*,
+                                 DType) {
+  return Status::error(cat(name(), ": ", weight_format_name(w.format),
+                           " weights do not run on this backend"));
+}
+Status Backend::moe_experts(const void* x, const LinearView& gate_up, const LinearView& down,
+                            int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                            const float* weights, int64_t n_rows, int64_t top_k, void* out) {
+  E4KV_ASSERT(gate_up.out == n_experts * 2 * inter && gate_up.in == hidden &&
+                  down.out == n_experts * hidden && down.in == inter,
+              "moe_experts: the expert weights do not have the stated shape");
+  if (gate_up.dense() && down.dense()) {
+    return moe_experts(x, gate_up.data, down.data, n_experts, hidden, inter, ids, weights, n_rows,
+                       top_k, out);
+  }
+  return moe_experts_quantized(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows,
+                               top_k, out);
+}
+Status Backend::moe_experts_quantized(const void*, const LinearView& gate_up, const LinearView&,
+                                      int64_t, int64_t, int64_t, const int32_t*, const float*,
+                                      int64_t, int64_t, void*) {
+  return Status::error(cat(name(), ": ", weight_format_name(gate_up.format),
+                           " expert weights do not run on this backend"));
 }
 
 }  // namespace e4kv

@@ -35,6 +35,7 @@
 #include "kv/kv_histogram.h"
 #include "qsa/indexer_cache.h"
 #include "qsa/selection.h"
+#include "quant/linear_view.h"
 
 namespace e4kv {
 
@@ -224,6 +225,21 @@ class Backend {
   virtual Status linear(const void* x, const void* w, const void* bias, int64_t n, int64_t in,
                         int64_t out, void* y, DType y_dtype) = 0;
 
+  // The same for a typed weight (quant/linear_view.h): kDense calls linear() above, a quantized
+  // format linear_quantized(). w.out and w.in give the shape.
+  Status linear(const void* x, const LinearView& w, const void* bias, int64_t n, void* y,
+                DType y_dtype);
+  // Whether linear_quantized and moe_experts_quantized run `format`; the loader refuses a
+  // checkpoint whose weights the backend cannot run, naming the tensor (kDense: always).
+  virtual bool runs_weight_format(WeightFormat format) const {
+    return format == WeightFormat::kDense;
+  }
+  // y = x W^T (+ bias) with W dequantized as quant/dequantize.h defines it (fp32 products and
+  // accumulation; a kernel's summation order is its own). x: [n, w.in] act; bias: [w.out] act or
+  // nullptr; y: [n, w.out] of y_dtype (act or kF32).
+  virtual Status linear_quantized(const void* x, const LinearView& w, const void* bias, int64_t n,
+                                  void* y, DType y_dtype);
+
   // In-place partial NeoX RoPE (rotate-half): for each row r, head h and i < rotary_dim / 2, with
   // a = x[r, h, i], b = x[r, h, i + rotary_dim / 2], c = cos[r, i], s = sin[r, i]:
   //   x[r, h, i] = a * c - b * s;  x[r, h, i + rotary_dim / 2] = b * c + a * s
@@ -400,6 +416,16 @@ class Backend {
   virtual Status moe_experts(const void* x, const void* gate_up, const void* down,
                              int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
                              const float* weights, int64_t n_rows, int64_t top_k, void* out);
+  // The same for typed expert weights: gate_up is [n_experts * 2 * inter, hidden] and down
+  // [n_experts * hidden, inter] as LinearViews (expert e's rows follow expert e - 1's); both dense
+  // calls moe_experts above, otherwise moe_experts_quantized.
+  Status moe_experts(const void* x, const LinearView& gate_up, const LinearView& down,
+                     int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                     const float* weights, int64_t n_rows, int64_t top_k, void* out);
+  virtual Status moe_experts_quantized(const void* x, const LinearView& gate_up,
+                                       const LinearView& down, int64_t n_experts, int64_t hidden,
+                                       int64_t inter, const int32_t* ids, const float* weights,
+                                       int64_t n_rows, int64_t top_k, void* out);
   // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] act
   virtual Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                                    int64_t dim);

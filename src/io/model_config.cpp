@@ -594,6 +594,7 @@ Result<ModelConfig> parse_config_object(const json& root, const std::string& sou
     E4KV_RETURN_IF_ERROR(read_qsa(text, config));
   }
   if (qwen4exp) E4KV_RETURN_IF_ERROR(read_qwen4exp(text, top, config));
+  E4KV_ASSIGN_OR_RETURN(config.quant, parse_quant_config(root, source));
   if (config.count_layers(LayerKind::kSlidingAttention) > 0 && !config.sliding_window) {
     return text.error("sliding_window",
                       "is required when layer_types has sliding_attention layers");

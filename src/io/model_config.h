@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "quant/quant_config.h"
 
 namespace e4kv {
 
@@ -117,6 +118,7 @@ struct ModelConfig {
   std::optional<QsaConfig> qsa;   // present when the model has QSA layers
   std::optional<Qwen4ExpConfig> qwen4exp;  // present for the Qwen4Exp family
   std::vector<LayerKind> layers;  // size n_layers
+  QuantConfig quant;              // the weights' quantization (quant/quant_config.h)
 
   int64_t count_layers(LayerKind kind) const;
   // Indices of layers that own a main KV cache (in order).

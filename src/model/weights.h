@@ -14,8 +14,18 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "io/checkpoint.h"
+#include "quant/linear_weight.h"
 
 namespace e4kv {
+
+// A part of a linear weight to load: output rows, or input columns at whole groups of the
+// format's scales (tensor parallelism's column- and row-parallel shares).
+struct LinearSlice {
+  enum class Dim : uint8_t { kAll, kRows, kColumns };
+  Dim dim = Dim::kAll;
+  int64_t begin = 0;
+  int64_t count = 0;
+};
 
 class WeightLoader {
  public:
@@ -42,6 +52,26 @@ class WeightLoader {
   Result<const SafetensorsTensor*> find(const std::string& name, const std::vector<int64_t>& shape,
                                         std::string_view meaning);
   bool has(const std::string& name) const { return ckpt_->find(name) != nullptr; }
+  Backend& backend() const { return *backend_; }
+
+  // ---- linear layers: dense or quantized, whichever the checkpoint holds ----
+  // A linear module's weight of logical shape [out, in] (the checkpoint's `module`.weight, or the
+  // tensors of config.json's quantization method: AWQ `.qweight/.qzeros/.scales`, NVFP4
+  // `.weight_packed/.weight_scale/.weight_global_scale`, FP8 `.weight` + `.weight_scale_inv`),
+  // in the canonical layout of quant/linear_weight.h, uploaded. Errors name the tensor: a shape
+  // that disagrees with [out, in] or the method's packing, a dtype the format does not have,
+  // quantized tensors that config.json does not declare, a format the backend does not run.
+  // slice: the part to load (tensor parallelism).
+  Result<LinearWeight> load_linear(const std::string& module, int64_t out, int64_t in,
+                                   std::string_view meaning, const LinearSlice& slice = {});
+  // The module's weight with its output rows regrouped as load_row_blocks does.
+  Result<LinearWeight> load_linear_row_blocks(const std::string& module, int64_t out, int64_t in,
+                                              std::string_view meaning, int64_t block_rows,
+                                              const std::vector<int64_t>& order);
+  // The modules' weights, each [out_each, in] and of one format, stacked along the output rows
+  // (per-expert projections into the grouped layout the MoE ops read).
+  Result<LinearWeight> load_linear_concat(const std::vector<std::string>& modules,
+                                          int64_t out_each, int64_t in, std::string_view meaning);
   // Counts every tensor whose name starts with `prefix` as used; returns how many (weights of a
   // part of the checkpoint the runtime does not run, such as a vision tower).
   int64_t skip_prefix(std::string_view prefix);
@@ -59,6 +89,11 @@ class WeightLoader {
                                     std::vector<int64_t> shape, std::vector<std::byte> bytes);
 
   std::set<std::string, std::less<>> used_;
+
+  struct HostLinear;
+  Result<HostLinear> read_linear(const std::string& module, int64_t out, int64_t in,
+                                 std::string_view meaning);
+  Result<LinearWeight> upload_linear(const std::string& module, HostLinear& host);
 };
 
 std::string shape_text(const std::vector<int64_t>& shape);

@@ -12,7 +12,9 @@
 //              w = (q - zero) * scale.
 //   kNvfp4     NVFP4 (weight only). data as kW4, each nibble an E2M1 code (bit 3 the sign, bits 0-2
 //              the magnitude index into {0, 0.5, 1, 1.5, 2, 3, 4, 6}); scales [out, in / 16] E4M3
-//              bytes; global_scale: the tensor's divisor. w = e2m1(q) * (e4m3(scale) / global).
+//              bytes; global [out] FP32: each row's tensor's global scale (per row, so that
+//              tensors with different global scales stack, such as the experts of one MoE layer).
+//              w = e2m1(q) * (e4m3(scale) / global).
 //   kFp8Block  FP8 E4M3 with block scales. data [out, in] E4M3 bytes; scales [out, ceil(in /
 //              group)] FP32, each row holding its block row's scales (the checkpoint's
 //              [ceil(out / block_out), ceil(in / group)] expanded). w = e4m3(q) * scale.
@@ -22,45 +24,26 @@
 
 #include <cstdint>
 #include <string_view>
+#include <utility>
 
 #include "backend/backend.h"
+#include "quant/linear_view.h"
 
 namespace e4kv {
-
-enum class WeightFormat : uint8_t { kDense, kW4, kNvfp4, kFp8Block };
-
-std::string_view weight_format_name(WeightFormat format);  // "dense", "awq-w4", "nvfp4", "fp8-block"
-
-// A weight as the ops read it: pointers into backend memory (or host memory, for
-// quant/dequantize.h). Non-owning; rows() selects output rows.
-struct LinearView {
-  WeightFormat format = WeightFormat::kDense;
-  int64_t out = 0;
-  int64_t in = 0;
-  int64_t group = 0;  // input columns per scale (0 for kDense)
-  const void* data = nullptr;
-  const void* scales = nullptr;
-  const void* zeros = nullptr;  // kW4 only; nullptr: symmetric
-  float global_scale = 1.0f;    // kNvfp4 only
-  int64_t act_size = 0;         // kDense: bytes of one element of data
-
-  // Bytes of one row of each plane.
-  int64_t data_row_bytes() const;
-  int64_t scale_row_bytes() const;
-  int64_t zero_row_bytes() const;
-  // Output rows [begin, begin + count) of this weight.
-  LinearView rows(int64_t begin, int64_t count) const;
-  // The weight's bytes in memory (data, scales, zeros).
-  int64_t bytes() const;
-  bool dense() const { return format == WeightFormat::kDense; }
-};
 
 // A weight's memory, owned: what the layers hold.
 class LinearWeight {
  public:
   LinearWeight() = default;
-  LinearWeight(LinearView view, BackendBuffer data, BackendBuffer scales, BackendBuffer zeros)
-      : view_(view), data_(std::move(data)), scales_(std::move(scales)), zeros_(std::move(zeros)) {}
+  LinearWeight(LinearView view, BackendBuffer data, BackendBuffer scales, BackendBuffer zeros,
+               BackendBuffer global)
+      : view_(view),
+        data_(std::move(data)),
+        scales_(std::move(scales)),
+        zeros_(std::move(zeros)),
+        global_(std::move(global)) {}
+  // A dense weight [out, in] of the backend's activation dtype.
+  static LinearWeight dense(BackendBuffer data, int64_t out, int64_t in, int64_t act_size);
 
   const LinearView& view() const { return view_; }
   LinearView rows(int64_t begin, int64_t count) const { return view_.rows(begin, count); }
@@ -74,6 +57,7 @@ class LinearWeight {
   BackendBuffer data_;
   BackendBuffer scales_;
   BackendBuffer zeros_;
+  BackendBuffer global_;
 };
 
 }  // namespace e4kv

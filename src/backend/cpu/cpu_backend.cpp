@@ -19,6 +19,7 @@
 #include "backend/cpu/ple.h"
 #include "backend/cpu/sampling.h"
 #include "core/half.h"
+#include "quant/dequantize.h"
 
 namespace e4kv {
 namespace {
@@ -183,6 +184,41 @@ class CpuBackend final : public Backend {
       for (int64_t r = 0; r < n; ++r) {
         float* row = yf + r * out;
         for (int64_t j = 0; j < out; ++j) row[j] += b[j];
+      }
+    }
+    return ok_status();
+  }
+
+  using Backend::linear;
+  using Backend::moe_experts;
+
+  bool runs_weight_format(WeightFormat) const override { return true; }
+
+  // Tiles of output rows dequantized (quant/dequantize.h, in parallel) into fp32, then multiplied
+  // as linear() does: the reference the quantized kernels are checked against.
+  Status linear_quantized(const void* x, const LinearView& w, const void* bias, int64_t n, void* y,
+                          DType y_dtype) override {
+    E4KV_ASSERT(y_dtype == DType::kF32, "cpu linear: y_dtype must be F32");
+    if (n == 0) return ok_status();
+    constexpr int64_t kTileRows = 256;
+    const int64_t tile_rows = std::min(kTileRows, w.out);
+    std::vector<float> tile(size_t(tile_rows * w.in));
+    float* yf = static_cast<float*>(y);
+    for (int64_t r0 = 0; r0 < w.out; r0 += tile_rows) {
+      const int64_t rows = std::min(tile_rows, w.out - r0);
+      parallel_for(n_threads_, rows, 8, [&](int64_t begin, int64_t end) {
+        dequantize_rows(w, r0 + begin, end - begin, tile.data() + begin * w.in);
+      });
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(n),
+                  static_cast<blasint>(rows), static_cast<blasint>(w.in), 1.0f,
+                  static_cast<const float*>(x), static_cast<blasint>(w.in), tile.data(),
+                  static_cast<blasint>(w.in), 0.0f, yf + r0, static_cast<blasint>(w.out));
+    }
+    if (bias != nullptr) {
+      const float* b = static_cast<const float*>(bias);
+      for (int64_t r = 0; r < n; ++r) {
+        float* row = yf + r * w.out;
+        for (int64_t j = 0; j < w.out; ++j) row[j] += b[j];
       }
     }
     return ok_status();
@@ -449,6 +485,27 @@ class CpuBackend final : public Backend {
     MoeExpertsView experts;
     experts.gate_up = f32(gate_up);
     experts.down = f32(down);
+    experts.n_experts = n_experts;
+    experts.hidden = hidden;
+    experts.inter = inter;
+    e4kv::moe_experts(experts, f32(x), n_rows, ids, weights, top_k, f32(out));
+    return ok_status();
+  }
+  Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
+                               int64_t n_experts, int64_t hidden, int64_t inter,
+                               const int32_t* ids, const float* weights, int64_t n_rows,
+                               int64_t top_k, void* out) override {
+    MoeExpertsView experts;
+    if (gate_up.dense()) {
+      experts.gate_up = f32(gate_up.data);
+    } else {
+      experts.gate_up_q = &gate_up;
+    }
+    if (down.dense()) {
+      experts.down = f32(down.data);
+    } else {
+      experts.down_q = &down;
+    }
     experts.n_experts = n_experts;
     experts.hidden = hidden;
     experts.inter = inter;

@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "core/status.h"
+#include "quant/dequantize.h"
 
 namespace e4kv {
 namespace {
@@ -81,7 +82,8 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
   E4KV_ASSERT(n_experts > 0 && hidden > 0 && inter > 0 && n_tokens >= 0 && top_k > 0,
               cat("moe_experts: bad shape n_experts=", n_experts, " hidden=", hidden,
                   " inter=", inter, " n_tokens=", n_tokens, " top_k=", top_k));
-  E4KV_ASSERT(experts.gate_up != nullptr && experts.down != nullptr,
+  E4KV_ASSERT((experts.gate_up != nullptr || experts.gate_up_q != nullptr) &&
+                  (experts.down != nullptr || experts.down_q != nullptr),
               "moe_experts: null expert weights");
   if (n_tokens == 0) return;
   E4KV_ASSERT(x != nullptr && expert_ids != nullptr && weights != nullptr && out != nullptr,
@@ -105,6 +107,21 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
   std::vector<float> gate_up_rows;
   std::vector<float> act_rows;
   std::vector<float> down_rows;
+  // Expert e's weights dequantized, for quantized experts.
+  std::vector<float> gate_up_weights;
+  std::vector<float> down_weights;
+  auto expert_gate_up = [&](int64_t e) -> const float* {
+    if (experts.gate_up_q == nullptr) return experts.gate_up + e * 2 * inter * hidden;
+    gate_up_weights.resize(size_t(2 * inter * hidden));
+    dequantize_rows(*experts.gate_up_q, e * 2 * inter, 2 * inter, gate_up_weights.data());
+    return gate_up_weights.data();
+  };
+  auto expert_down = [&](int64_t e) -> const float* {
+    if (experts.down_q == nullptr) return experts.down + e * hidden * inter;
+    down_weights.resize(size_t(hidden * inter));
+    dequantize_rows(*experts.down_q, e * hidden, hidden, down_weights.data());
+    return down_weights.data();
+  };
 
   for (int64_t t0 = 0; t0 < n_tokens; t0 += chunk_tokens) {
     const int64_t n_chunk = std::min(chunk_tokens, n_tokens - t0);
@@ -130,16 +147,14 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
         std::copy_n(x + token * hidden, hidden, x_rows.data() + r * hidden);
       }
       // gate and up in one product: the packed [2 * inter, hidden] block of expert e.
-      matmul_bt(x_rows.data(), experts.gate_up + e * 2 * inter * hidden, rows, 2 * inter, hidden,
-                gate_up_rows.data());
+      matmul_bt(x_rows.data(), expert_gate_up(e), rows, 2 * inter, hidden, gate_up_rows.data());
       for (int64_t r = 0; r < rows; ++r) {
         const float* gate = gate_up_rows.data() + r * 2 * inter;
         const float* up = gate + inter;
         float* act = act_rows.data() + r * inter;
         for (int64_t i = 0; i < inter; ++i) act[i] = silu(gate[i]) * up[i];
       }
-      matmul_bt(act_rows.data(), experts.down + e * hidden * inter, rows, hidden, inter,
-                down_rows.data());
+      matmul_bt(act_rows.data(), expert_down(e), rows, hidden, inter, down_rows.data());
       for (int64_t r = 0; r < rows; ++r) {
         std::copy_n(down_rows.data() + r * hidden, hidden,
                     terms.data() + by_expert[size_t(begin + r)] * hidden);

@@ -24,6 +24,8 @@
 
 #include <cstdint>
 
+#include "quant/linear_view.h"
+
 namespace e4kv {
 
 // ---- router ------------------------------------------------------------------------------------
@@ -48,6 +50,10 @@ struct MoeExpertsView {
   int64_t n_experts = 0;
   int64_t hidden = 0;  // H
   int64_t inter = 0;   // I (moe_intermediate_size)
+  // Quantized experts (quant/linear_view.h, host memory) instead of gate_up / down: expert e's
+  // rows are dequantized (quant/dequantize.h) before its products, which then run as above.
+  const LinearView* gate_up_q = nullptr;  // [n_experts * 2 * inter, hidden]
+  const LinearView* down_q = nullptr;     // [n_experts * hidden, inter]
 };
 
 // moe_experts bounds its workspace (the k terms of every token of a chunk, fp32) to this many

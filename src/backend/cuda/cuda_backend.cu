@@ -253,6 +253,9 @@ class CudaBackend final : public Backend, public StepProfiler {
     return ok_status();
   }
 
+  using Backend::linear;
+  using Backend::moe_experts;
+
   Status linear(const void* x, const void* w, const void* bias, int64_t n, int64_t in, int64_t out,
                 void* y, DType y_dtype) override {
     if (y_dtype != DType::kF16 && y_dtype != DType::kF32) {

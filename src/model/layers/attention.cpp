@@ -50,7 +50,7 @@ Status write_kv_rows(Backend& b, const StepContext& ctx, const KvCacheView& cach
 }
 
 Status project_attention_output(Backend& b, int64_t n, int64_t q_dim, int64_t hidden,
-                                AttentionWorkspace& ws, const void* o, const void* o_bias,
+                                AttentionWorkspace& ws, const LinearView& o, const void* o_bias,
                                 void* out) {
   const DType act = b.act_dtype();
   const void* attn_in = ws.attn.data();
@@ -59,7 +59,8 @@ Status project_attention_output(Backend& b, int64_t n, int64_t q_dim, int64_t hi
         b.convert(ws.attn.data(), DType::kF32, ws.attn_act.data(), act, n * q_dim));
     attn_in = ws.attn_act.data();
   }
-  return b.linear(attn_in, o, o_bias, n, q_dim, hidden, out, act);
+  E4KV_ASSERT(o.in == q_dim && o.out == hidden, "project_attention_output: o has another shape");
+  return b.linear(attn_in, o, o_bias, n, out, act);
 }
 
 Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::string& p,
@@ -69,13 +70,13 @@ Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::st
   const int64_t hidden = shape.hidden;
   const int64_t q_dim = shape.q_dim();
   const int64_t kv_dim = shape.kv_dim();
-  E4KV_ASSIGN_OR_RETURN(m.q_, weights.load(p + "q_proj.weight", {q_dim, hidden},
+  E4KV_ASSIGN_OR_RETURN(m.q_, weights.load_linear(p + "q_proj", q_dim, hidden,
                                            "[num_attention_heads * head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load(p + "k_proj.weight", {kv_dim, hidden},
+  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load_linear(p + "k_proj", kv_dim, hidden,
                                            "[num_key_value_heads * head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load(p + "v_proj.weight", {kv_dim, hidden},
+  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load_linear(p + "v_proj", kv_dim, hidden,
                                            "[num_key_value_heads * head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.o_, weights.load(p + "o_proj.weight", {hidden, q_dim},
+  E4KV_ASSIGN_OR_RETURN(m.o_, weights.load_linear(p + "o_proj", hidden, q_dim,
                                            "[hidden_size, num_attention_heads * head_dim]"));
   if (shape.qkv_bias) {
     E4KV_ASSIGN_OR_RETURN(
@@ -103,14 +104,13 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   const AttentionShape& s = shape_;
   const int64_t n = ctx.n_rows();
   const int64_t q_dim = s.q_dim();
-  const int64_t kv_dim = s.kv_dim();
   const DType act = b.act_dtype();
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, q_.data(), q_bias_.data(), n, s.hidden, q_dim, ws.q.data(), act));
+      b.linear(x, q_.view(), q_bias_.data(), n, ws.q.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, kv_dim, ws.k.data(), act));
+      b.linear(x, k_.view(), k_bias_.data(), n, ws.k.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, kv_dim, ws.v.data(), act));
+      b.linear(x, v_.view(), v_bias_.data(), n, ws.v.data(), act));
   const AttentionHeads heads{s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim, s.eps};
   // q_norm_ and k_norm_ are empty (nullptr) without qk_norm.
   E4KV_RETURN_IF_ERROR(write_kv_rows(b, ctx, cache, heads, q_norm_.data(), k_norm_.data(),
@@ -124,7 +124,7 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   params.q = ws.q16.as<uint16_t>();
   params.out = ws.attn.as<float>();
   E4KV_RETURN_IF_ERROR(b.paged_attention(params));
-  return project_attention_output(b, n, q_dim, s.hidden, ws, o_.data(), o_bias_.data(), out);
+  return project_attention_output(b, n, q_dim, s.hidden, ws, o_.view(), o_bias_.data(), out);
 }
 
 }  // namespace e4kv

@@ -68,9 +68,9 @@ Status write_kv_rows(Backend& backend, const StepContext& ctx, const KvCacheView
                      KvWriteStats* stats);
 
 // out = attention Wo^T (+bo) of the rows of the step, from ws.attn (fp32, converted to act first
-// when act is not fp32). o: [hidden, q_dim] act; o_bias: [hidden] act or nullptr.
+// when act is not fp32). o: [hidden, q_dim]; o_bias: [hidden] act or nullptr.
 Status project_attention_output(Backend& backend, int64_t n_rows, int64_t q_dim, int64_t hidden,
-                                AttentionWorkspace& ws, const void* o, const void* o_bias,
+                                AttentionWorkspace& ws, const LinearView& o, const void* o_bias,
                                 void* out);
 
 class AttentionMixer {
@@ -89,7 +89,7 @@ class AttentionMixer {
 
  private:
   AttentionShape shape_;
-  BackendBuffer q_, k_, v_, o_;
+  LinearWeight q_, k_, v_, o_;
   BackendBuffer q_bias_, k_bias_, v_bias_, o_bias_;  // empty when absent
   BackendBuffer q_norm_, k_norm_;                    // empty when absent
 };

@@ -57,15 +57,15 @@ Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::stri
   const int64_t h = shape.hidden;
   const int64_t nv = shape.n_v_heads;
   E4KV_ASSIGN_OR_RETURN(
-      m.in_qkv_, weights.load(p + "in_proj_qkv.weight", {shape.conv_dim(), h},
+      m.in_qkv_, weights.load_linear(p + "in_proj_qkv", shape.conv_dim(), h,
                               "[2 * linear_num_key_heads * linear_key_head_dim + "
                               "linear_num_value_heads * linear_value_head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.in_z_, weights.load(p + "in_proj_z.weight", {shape.v_dim(), h},
+  E4KV_ASSIGN_OR_RETURN(m.in_z_, weights.load_linear(p + "in_proj_z", shape.v_dim(), h,
                                               "[linear_num_value_heads * linear_value_head_dim, "
                                               "hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.in_b_, weights.load(p + "in_proj_b.weight", {nv, h},
+  E4KV_ASSIGN_OR_RETURN(m.in_b_, weights.load_linear(p + "in_proj_b", nv, h,
                                               "[linear_num_value_heads, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.in_a_, weights.load(p + "in_proj_a.weight", {nv, h},
+  E4KV_ASSIGN_OR_RETURN(m.in_a_, weights.load_linear(p + "in_proj_a", nv, h,
                                               "[linear_num_value_heads, hidden_size]"));
   E4KV_ASSIGN_OR_RETURN(m.conv_,
                         weights.load(p + "conv1d.weight", {shape.conv_dim(), 1, shape.conv_kernel},
@@ -74,7 +74,7 @@ Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::stri
   E4KV_ASSIGN_OR_RETURN(m.a_log_, weights.load(p + "A_log", {nv}, "[linear_num_value_heads]"));
   E4KV_ASSIGN_OR_RETURN(
       m.norm_, weights.load(p + "norm.weight", {shape.head_v_dim}, "[linear_value_head_dim]"));
-  E4KV_ASSIGN_OR_RETURN(m.out_, weights.load(p + "out_proj.weight", {h, shape.v_dim()},
+  E4KV_ASSIGN_OR_RETURN(m.out_, weights.load_linear(p + "out_proj", h, shape.v_dim(),
                                              "[hidden_size, linear_num_value_heads * "
                                              "linear_value_head_dim]"));
   return m;
@@ -85,13 +85,13 @@ Status DeltaNetMixer::forward(Backend& b, int64_t n, const SequenceRowsView& seq
   const DeltaNetShape& s = shape_;
   const DType act = b.act_dtype();
   const int64_t c = s.conv_dim();
-  E4KV_RETURN_IF_ERROR(b.linear(x, in_qkv_.data(), nullptr, n, s.hidden, c, ws.u.data(), act));
+  E4KV_RETURN_IF_ERROR(b.linear(x, in_qkv_.view(), nullptr, n, ws.u.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_z_.data(), nullptr, n, s.hidden, s.v_dim(), ws.z.data(), act));
+      b.linear(x, in_z_.view(), nullptr, n, ws.z.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_b_.data(), nullptr, n, s.hidden, s.n_v_heads, ws.b.data(), act));
+      b.linear(x, in_b_.view(), nullptr, n, ws.b.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_a_.data(), nullptr, n, s.hidden, s.n_v_heads, ws.a.data(), act));
+      b.linear(x, in_a_.view(), nullptr, n, ws.a.data(), act));
   E4KV_RETURN_IF_ERROR(b.conv1d_silu(ws.u.data(), c, conv_.data(), s.conv_kernel, 1,
                                      state.conv.data(), seqs, ws.y.data()));
   E4KV_RETURN_IF_ERROR(b.gated_delta_gates(ws.a.data(), ws.b.data(), a_log_.data(), dt_bias_.data(),
@@ -101,7 +101,7 @@ Status DeltaNetMixer::forward(Backend& b, int64_t n, const SequenceRowsView& seq
                                           state.recurrent.as<float>(), seqs, ws.o.data()));
   E4KV_RETURN_IF_ERROR(b.gated_rms_norm(ws.o.data(), ws.z.data(), norm_.data(), n * s.n_v_heads,
                                         s.head_v_dim, s.eps, s.sigmoid_gate, ws.o.data()));
-  return b.linear(ws.o.data(), out_.data(), nullptr, n, s.v_dim(), s.hidden, out, act);
+  return b.linear(ws.o.data(), out_.view(), nullptr, n, out, act);
 }
 
 }  // namespace e4kv

@@ -73,7 +73,8 @@ class DeltaNetMixer {
 
  private:
   DeltaNetShape shape_;
-  BackendBuffer in_qkv_, in_z_, in_b_, in_a_, conv_, dt_bias_, a_log_, norm_, out_;
+  LinearWeight in_qkv_, in_z_, in_b_, in_a_, out_;
+  BackendBuffer conv_, dt_bias_, a_log_, norm_;
 };
 
 }  // namespace e4kv

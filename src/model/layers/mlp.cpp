@@ -21,22 +21,22 @@ Result<DenseMlp> DenseMlp::load(WeightLoader& weights, const std::string& p, int
   const std::string in_shape = cat("[", intermediate_name, ", hidden_size]");
   const std::string out_shape = cat("[hidden_size, ", intermediate_name, "]");
   E4KV_ASSIGN_OR_RETURN(m.gate_,
-                        weights.load(p + "gate_proj.weight", {intermediate, hidden}, in_shape));
+                        weights.load_linear(p + "gate_proj", intermediate, hidden, in_shape));
   E4KV_ASSIGN_OR_RETURN(m.up_,
-                        weights.load(p + "up_proj.weight", {intermediate, hidden}, in_shape));
+                        weights.load_linear(p + "up_proj", intermediate, hidden, in_shape));
   E4KV_ASSIGN_OR_RETURN(m.down_,
-                        weights.load(p + "down_proj.weight", {hidden, intermediate}, out_shape));
+                        weights.load_linear(p + "down_proj", hidden, intermediate, out_shape));
   return m;
 }
 
 Status DenseMlp::forward(Backend& b, int64_t n, const void* x, void* out, MlpWorkspace& ws) const {
   const DType act = b.act_dtype();
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, gate_.data(), nullptr, n, hidden_, intermediate_, ws.gate.data(), act));
+      b.linear(x, gate_.view(), nullptr, n, ws.gate.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, up_.data(), nullptr, n, hidden_, intermediate_, ws.up.data(), act));
+      b.linear(x, up_.view(), nullptr, n, ws.up.data(), act));
   E4KV_RETURN_IF_ERROR(b.silu_mul(ws.gate.data(), ws.up.data(), ws.gate.data(), n * intermediate_));
-  return b.linear(ws.gate.data(), down_.data(), nullptr, n, intermediate_, hidden_, out, act);
+  return b.linear(ws.gate.data(), down_.view(), nullptr, n, out, act);
 }
 
 }  // namespace e4kv

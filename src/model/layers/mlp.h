@@ -34,7 +34,7 @@ class DenseMlp {
  private:
   int64_t hidden_ = 0;
   int64_t intermediate_ = 0;
-  BackendBuffer gate_, up_, down_;  // [inter, hidden] x2, [hidden, inter]
+  LinearWeight gate_, up_, down_;  // [inter, hidden] x2, [hidden, inter]
 };
 
 }  // namespace e4kv

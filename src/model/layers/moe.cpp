@@ -1,5 +1,7 @@
 #include "model/layers/moe.h"
 
+#include <utility>
+
 #include <vector>
 
 #include "model/workspace.h"
@@ -29,25 +31,28 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
   E4KV_ASSIGN_OR_RETURN(m.router_,
                         weights.load(p + "gate.weight", {e, h}, "[num_experts, hidden_size]"));
   if (weights.has(p + "experts.gate_up_proj")) {
-    E4KV_ASSIGN_OR_RETURN(m.gate_up_, weights.load(p + "experts.gate_up_proj", {e, 2 * i, h},
-                                                   "[num_experts, 2 * moe_intermediate_size, "
-                                                   "hidden_size]"));
-    E4KV_ASSIGN_OR_RETURN(m.down_,
+    E4KV_ASSIGN_OR_RETURN(BackendBuffer gate_up,
+                          weights.load(p + "experts.gate_up_proj", {e, 2 * i, h},
+                                       "[num_experts, 2 * moe_intermediate_size, hidden_size]"));
+    E4KV_ASSIGN_OR_RETURN(BackendBuffer down,
                           weights.load(p + "experts.down_proj", {e, h, i},
                                        "[num_experts, hidden_size, moe_intermediate_size]"));
+    const auto act_size = int64_t(weights.backend().act_size());
+    m.gate_up_ = LinearWeight::dense(std::move(gate_up), e * 2 * i, h, act_size);
+    m.down_ = LinearWeight::dense(std::move(down), e * h, i, act_size);
   } else {
     // Per expert: gate_0, up_0, gate_1, up_1, ... stacked is the packed [E, 2I, H] layout.
     std::vector<std::string> gate_up, down;
     for (int64_t x = 0; x < e; ++x) {
       const std::string q = cat(p, "experts.", x, ".");
-      gate_up.push_back(q + "gate_proj.weight");
-      gate_up.push_back(q + "up_proj.weight");
-      down.push_back(q + "down_proj.weight");
+      gate_up.push_back(q + "gate_proj");
+      gate_up.push_back(q + "up_proj");
+      down.push_back(q + "down_proj");
     }
-    E4KV_ASSIGN_OR_RETURN(
-        m.gate_up_, weights.load_concat(gate_up, {i, h}, "[moe_intermediate_size, hidden_size]"));
-    E4KV_ASSIGN_OR_RETURN(
-        m.down_, weights.load_concat(down, {h, i}, "[hidden_size, moe_intermediate_size]"));
+    E4KV_ASSIGN_OR_RETURN(m.gate_up_, weights.load_linear_concat(
+                                          gate_up, i, h, "[moe_intermediate_size, hidden_size]"));
+    E4KV_ASSIGN_OR_RETURN(m.down_, weights.load_linear_concat(
+                                       down, h, i, "[hidden_size, moe_intermediate_size]"));
   }
   E4KV_ASSIGN_OR_RETURN(m.shared_expert_,
                         DenseMlp::load(weights, p + "shared_expert.", h, shape.shared_inter,
@@ -64,7 +69,7 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
                                 ws.logits.data(), DType::kF32));
   E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.as<float>(), n, s.n_experts, s.top_k, s.norm_topk_prob,
                                    ws.ids.as<int32_t>(), ws.weights.as<float>()));
-  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.data(), down_.data(), s.n_experts, s.hidden,
+  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.view(), down_.view(), s.n_experts, s.hidden,
                                      s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
                                      s.top_k, out));
   E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));

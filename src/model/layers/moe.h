@@ -48,7 +48,8 @@ class MoeFfn {
 
  private:
   MoeShape shape_;
-  BackendBuffer router_, gate_up_, down_;
+  BackendBuffer router_;
+  LinearWeight gate_up_, down_;  // [n_experts * 2 * inter, hidden], [n_experts * hidden, inter]
   DenseMlp shared_expert_;
   BackendBuffer shared_gate_;  // [1, hidden]
 };

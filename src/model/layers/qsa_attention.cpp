@@ -43,13 +43,13 @@ Result<QsaAttentionMixer> QsaAttentionMixer::load(Backend& backend, WeightLoader
   for (int64_t head = 0; head < shape.n_heads; ++head) order.push_back(2 * head + 1);
   E4KV_ASSIGN_OR_RETURN(
       m.q_gate_,
-      weights.load_row_blocks(p + "q_proj.weight", {2 * shape.q_dim(), h},
-                              "[2 * num_attention_heads * head_dim, hidden_size]", d, order));
-  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load(p + "k_proj.weight", {shape.kv_dim(), h},
+      weights.load_linear_row_blocks(p + "q_proj", 2 * shape.q_dim(), h,
+                                     "[2 * num_attention_heads * head_dim, hidden_size]", d, order));
+  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load_linear(p + "k_proj", shape.kv_dim(), h,
                                            "[num_key_value_heads * head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load(p + "v_proj.weight", {shape.kv_dim(), h},
+  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load_linear(p + "v_proj", shape.kv_dim(), h,
                                            "[num_key_value_heads * head_dim, hidden_size]"));
-  E4KV_ASSIGN_OR_RETURN(m.o_, weights.load(p + "o_proj.weight", {h, shape.q_dim()},
+  E4KV_ASSIGN_OR_RETURN(m.o_, weights.load_linear(p + "o_proj", h, shape.q_dim(),
                                            "[hidden_size, num_attention_heads * head_dim]"));
   if (shape.bias) {
     E4KV_ASSIGN_OR_RETURN(
@@ -66,7 +66,7 @@ Result<QsaAttentionMixer> QsaAttentionMixer::load(Backend& backend, WeightLoader
   const int64_t di = shape.index_dim;
   E4KV_ASSIGN_OR_RETURN(
       m.index_qk_,
-      weights.load(p + "indexer.index_qk_proj.weight", {(shape.n_index_heads + 1) * di, h},
+      weights.load_linear(p + "indexer.index_qk_proj", (shape.n_index_heads + 1) * di, h,
                    "[(indexer_n_heads + 1) * indexer_head_dim, hidden_size]"));
   E4KV_ASSIGN_OR_RETURN(m.index_q_norm_,
                         weights.load(p + "indexer.q_layernorm.weight", {di}, "[indexer_head_dim]"));
@@ -89,11 +89,10 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   const int64_t di = s.index_dim;
 
   // ---- indexer: queries, raw keys -> rings and compressed rows ----
-  const std::byte* index_qk = index_qk_.as<std::byte>();
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, index_qk, nullptr, n, s.hidden, s.index_q_dim(), ws.iq.data(), act));
-  E4KV_RETURN_IF_ERROR(b.linear(x, index_qk + size_t(s.index_q_dim() * s.hidden) * act_size,
-                                nullptr, n, s.hidden, di, ws.ik.data(), act));
+      b.linear(x, index_qk_.rows(0, s.index_q_dim()), nullptr, n, ws.iq.data(), act));
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, index_qk_.rows(s.index_q_dim(), di), nullptr, n, ws.ik.data(), act));
   E4KV_RETURN_IF_ERROR(b.rms_norm(ws.iq.data(), index_q_norm_.data(), n * s.n_index_heads, di,
                                   s.eps, RmsNormForm::kOnePlusWeight, ws.iq.data()));
   E4KV_RETURN_IF_ERROR(
@@ -110,19 +109,18 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
                                            ctx.sequences(), ctx.block_table(), norm_rope));
 
   // ---- q, gate, k, v -> the cache ----
-  const std::byte* q_gate = q_gate_.as<std::byte>();
-  const size_t gate_offset = size_t(s.q_dim() * s.hidden) * act_size;
   const std::byte* q_gate_bias = q_gate_bias_.as<std::byte>();
   const size_t gate_bias_offset = size_t(s.q_dim()) * act_size;
   AttentionWorkspace& h = ws.heads;
-  E4KV_RETURN_IF_ERROR(b.linear(x, q_gate, q_gate_bias, n, s.hidden, s.q_dim(), h.q.data(), act));
-  E4KV_RETURN_IF_ERROR(b.linear(x, q_gate + gate_offset,
+  E4KV_RETURN_IF_ERROR(
+      b.linear(x, q_gate_.rows(0, s.q_dim()), q_gate_bias, n, h.q.data(), act));
+  E4KV_RETURN_IF_ERROR(b.linear(x, q_gate_.rows(s.q_dim(), s.q_dim()),
                                 q_gate_bias == nullptr ? nullptr : q_gate_bias + gate_bias_offset,
-                                n, s.hidden, s.q_dim(), ws.gate.data(), act));
+                                n, ws.gate.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, k_.data(), k_bias_.data(), n, s.hidden, s.kv_dim(), h.k.data(), act));
+      b.linear(x, k_.view(), k_bias_.data(), n, h.k.data(), act));
   E4KV_RETURN_IF_ERROR(
-      b.linear(x, v_.data(), v_bias_.data(), n, s.hidden, s.kv_dim(), h.v.data(), act));
+      b.linear(x, v_.view(), v_bias_.data(), n, h.v.data(), act));
   E4KV_RETURN_IF_ERROR(
       b.convert(ws.gate.data(), act, ws.gate16.data(), DType::kF16, n * s.q_dim()));
   const AttentionHeads heads{s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim, s.eps};
@@ -149,7 +147,7 @@ Status QsaAttentionMixer::forward(Backend& b, const StepContext& ctx, const QsaL
   params.gate = ws.gate16.as<uint16_t>();
   params.out = h.attn.as<float>();
   E4KV_RETURN_IF_ERROR(b.paged_attention(params));
-  return project_attention_output(b, n, s.q_dim(), s.hidden, h, o_.data(), o_bias_.data(), out);
+  return project_attention_output(b, n, s.q_dim(), s.hidden, h, o_.view(), o_bias_.data(), out);
 }
 
 }  // namespace e4kv

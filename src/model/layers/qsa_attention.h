@@ -79,11 +79,11 @@ class QsaAttentionMixer {
  private:
   QsaAttentionShape shape_;
   const double* inv_freq_ = nullptr;
-  BackendBuffer q_gate_;  // [2 * q_dim, hidden]: the q rows of every head, then the gate rows
-  BackendBuffer k_, v_, o_;
+  LinearWeight q_gate_;  // [2 * q_dim, hidden]: the q rows of every head, then the gate rows
+  LinearWeight k_, v_, o_;
   BackendBuffer q_gate_bias_, k_bias_, v_bias_, o_bias_;  // empty without attention_bias
   BackendBuffer q_norm_, k_norm_;
-  BackendBuffer index_qk_;        // [(n_index_heads + 1) * index_dim, hidden]
+  LinearWeight index_qk_;         // [(n_index_heads + 1) * index_dim, hidden]
   BackendBuffer index_q_norm_;    // [index_dim] act
   BackendBuffer index_k_norm16_;  // [index_dim] FP16 bits (the indexer cache's contract)
 };

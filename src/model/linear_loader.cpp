@@ -1,0 +1,396 @@
+// WeightLoader's linear layers: the checkpoint's tensors of one module read into the canonical
+// layout of quant/linear_weight.h on the host (every plane row-major over the output rows), cut
+// or regrouped there, then uploaded.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "core/half.h"
+#include "model/weights.h"
+
+namespace e4kv {
+
+namespace {
+
+// One plane of a weight on the host: `rows` rows of row_bytes bytes; each entry of entry_bytes
+// covers cols_per_entry input columns (a column slice keeps whole entries).
+struct HostPlane {
+  std::vector<std::byte> bytes;
+  int64_t row_bytes = 0;
+  int64_t entry_bytes = 1;
+  int64_t cols_per_entry = 1;
+
+  bool empty() const { return bytes.empty(); }
+  int64_t rows() const { return row_bytes == 0 ? 0 : int64_t(bytes.size()) / row_bytes; }
+
+  void take_rows(int64_t begin, int64_t count) {
+    if (empty()) return;
+    std::vector<std::byte> out(size_t(count * row_bytes));
+    std::copy_n(bytes.begin() + long(begin * row_bytes), out.size(), out.begin());
+    bytes = std::move(out);
+  }
+  // Row blocks: block order[i] (of block_rows rows) becomes block i.
+  void regroup(int64_t block_rows, const std::vector<int64_t>& order) {
+    if (empty()) return;
+    const size_t block_bytes = size_t(block_rows * row_bytes);
+    std::vector<std::byte> out(bytes.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      std::copy_n(bytes.begin() + long(size_t(order[i]) * block_bytes), block_bytes,
+                  out.begin() + long(i * block_bytes));
+    }
+    bytes = std::move(out);
+  }
+  // Input columns [c0, c1): entries [c0 / cols_per_entry, ceil(c1 / cols_per_entry)).
+  void take_columns(int64_t c0, int64_t c1) {
+    if (empty()) return;
+    const int64_t e0 = c0 / cols_per_entry;
+    const int64_t e1 = (c1 + cols_per_entry - 1) / cols_per_entry;
+    const int64_t new_row = (e1 - e0) * entry_bytes;
+    const int64_t n = rows();
+    std::vector<std::byte> out(size_t(n * new_row));
+    for (int64_t r = 0; r < n; ++r) {
+      std::copy_n(bytes.begin() + long(r * row_bytes + e0 * entry_bytes), new_row,
+                  out.begin() + long(r * new_row));
+    }
+    bytes = std::move(out);
+    row_bytes = new_row;
+  }
+  void append(const HostPlane& other) {
+    bytes.insert(bytes.end(), other.bytes.begin(), other.bytes.end());
+  }
+};
+
+template <class T>
+T load_le(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// AutoAWQ's GEMM packing: nibble i of a packed int32 holds column 8c + kAwqOrder[i].
+constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// An AWQ-packed int32 tensor [rows, cols / 8] as nibbles transposed to [cols, rows] uint8.
+std::vector<uint8_t> unpack_awq_transposed(const SafetensorsTensor& t, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> out(size_t(rows * cols));
+  const int64_t packed_cols = cols / 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < packed_cols; ++c) {
+      const uint32_t word = load_le<uint32_t>(t.bytes.data() + (r * packed_cols + c) * 4);
+      for (int i = 0; i < 8; ++i) {
+        const int64_t col = c * 8 + kAwqOrder[i];
+        out[size_t(col * rows + r)] = uint8_t((word >> (4 * i)) & 0xF);
+      }
+    }
+  }
+  return out;
+}
+
+float scalar_float(const SafetensorsTensor& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::kF32:
+      return load_le<float>(t.bytes.data() + i * 4);
+    case DType::kF16:
+      return f16_to_f32(load_le<uint16_t>(t.bytes.data() + i * 2));
+    case DType::kBF16:
+      return bf16_to_f32(load_le<uint16_t>(t.bytes.data() + i * 2));
+    default:
+      return NAN;
+  }
+}
+
+}  // namespace
+
+struct WeightLoader::HostLinear {
+  LinearView view;  // format and shape; pointers unset
+  DType dense_dtype = DType::kF32;
+  // An untouched dense tensor, uploaded straight from the checkpoint's mapping.
+  const SafetensorsTensor* dense_tensor = nullptr;
+  HostPlane data;
+  HostPlane scales;
+  HostPlane zeros;
+  HostPlane global;
+
+  void materialize_dense() {
+    if (dense_tensor == nullptr) return;
+    data.bytes.assign(dense_tensor->bytes.begin(), dense_tensor->bytes.end());
+    dense_tensor = nullptr;
+  }
+  HostPlane* planes(int i) {
+    HostPlane* p[4] = {&data, &scales, &zeros, &global};
+    return p[i];
+  }
+};
+
+Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& module, int64_t out,
+                                                           int64_t in, std::string_view meaning) {
+  const QuantConfig& q = ckpt_->config().quant;
+  const std::string dir = ckpt_->dir().string();
+  auto fail = [&](const std::string& tensor, const std::string& what) {
+    return Status::error(cat(dir, ": tensor ", tensor, " ", what));
+  };
+  auto expect_dtype = [&](const SafetensorsTensor& t, DType want) -> Status {
+    if (t.dtype == want) return ok_status();
+    return fail(t.name, cat("is ", dtype_name(t.dtype), "; the ", q.describe(),
+                            " checkpoint format stores it as ", dtype_name(want)));
+  };
+  auto undeclared = [&](const std::string& tensor, std::string_view format) {
+    return fail(tensor, cat("holds ", format, " weights but config.json's quantization_config is ",
+                            q.describe(), "; the checkpoint and its config.json disagree"));
+  };
+  HostLinear h;
+  h.view.out = out;
+  h.view.in = in;
+
+  if (has(module + ".qweight")) {
+    if (q.method != QuantMethod::kAwq) return undeclared(module + ".qweight", "AWQ");
+    const int64_t g = q.group_size;
+    if (in % g != 0 || out % 8 != 0) {
+      return fail(module + ".qweight",
+                  cat("belongs to a [", out, ", ", in, "] projection (", meaning,
+                      "), which AWQ with group_size ", g, " cannot pack (in % ", g,
+                      " and out % 8 must be 0)"));
+    }
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* qw,
+                          find(module + ".qweight", {in, out / 8}, meaning));
+    E4KV_RETURN_IF_ERROR(expect_dtype(*qw, DType::kI32));
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* sc,
+                          find(module + ".scales", {in / g, out}, meaning));
+    E4KV_RETURN_IF_ERROR(expect_dtype(*sc, DType::kF16));
+    const SafetensorsTensor* qz = nullptr;
+    if (has(module + ".qzeros")) {
+      E4KV_ASSIGN_OR_RETURN(qz, find(module + ".qzeros", {in / g, out / 8}, meaning));
+      E4KV_RETURN_IF_ERROR(expect_dtype(*qz, DType::kI32));
+    } else if (q.zero_point) {
+      return fail(module + ".qzeros",
+                  "is missing (config.json's quantization_config has zero_point true)");
+    }
+    h.view.format = WeightFormat::kW4;
+    h.view.group = g;
+    const std::vector<uint8_t> nibbles = unpack_awq_transposed(*qw, in, out);  // [out, in]
+    h.data.row_bytes = in / 2;
+    h.data.cols_per_entry = 2;
+    h.data.bytes.resize(size_t(out * in / 2));
+    for (int64_t n = 0; n < out; ++n) {
+      for (int64_t k = 0; k < in; k += 2) {
+        const uint8_t lo = nibbles[size_t(n * in + k)];
+        const uint8_t hi = nibbles[size_t(n * in + k + 1)];
+        h.data.bytes[size_t(n * (in / 2) + k / 2)] = std::byte(uint8_t(lo | (hi << 4)));
+      }
+    }
+    const int64_t groups = in / g;
+    h.scales.row_bytes = groups * 2;
+    h.scales.entry_bytes = 2;
+    h.scales.cols_per_entry = g;
+    h.scales.bytes.resize(size_t(out * groups * 2));
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      for (int64_t n = 0; n < out; ++n) {
+        std::memcpy(h.scales.bytes.data() + (n * groups + gi) * 2,
+                    sc->bytes.data() + (gi * out + n) * 2, 2);
+      }
+    }
+    if (qz != nullptr) {
+      const std::vector<uint8_t> z = unpack_awq_transposed(*qz, groups, out);  // [out, groups]
+      h.zeros.row_bytes = groups;
+      h.zeros.cols_per_entry = g;
+      h.zeros.bytes.resize(z.size());
+      std::memcpy(h.zeros.bytes.data(), z.data(), z.size());
+    }
+    return h;
+  }
+
+  if (has(module + ".weight_packed")) {
+    if (q.method != QuantMethod::kNvfp4) return undeclared(module + ".weight_packed", "NVFP4");
+    if (in % 16 != 0) {
+      return fail(module + ".weight_packed",
+                  cat("belongs to a [", out, ", ", in, "] projection (", meaning,
+                      "), which NVFP4 cannot pack (in % 16 must be 0)"));
+    }
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* wp,
+                          find(module + ".weight_packed", {out, in / 2}, meaning));
+    E4KV_RETURN_IF_ERROR(expect_dtype(*wp, DType::kU8));
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* ws,
+                          find(module + ".weight_scale", {out, in / 16}, meaning));
+    E4KV_RETURN_IF_ERROR(expect_dtype(*ws, DType::kF8E4M3));
+    const std::string global_name = module + ".weight_global_scale";
+    const SafetensorsTensor* gs = ckpt_->find(global_name);
+    if (gs == nullptr) return fail(global_name, "is missing (an NVFP4 weight needs it)");
+    if (gs->numel() != 1 || gs->shape.size() > 1 || gs->dtype != DType::kF32) {
+      return fail(global_name, cat("is ", dtype_name(gs->dtype), " ", shape_text(gs->shape),
+                                   "; expected one F32 value"));
+    }
+    mark_used(global_name);
+    if (has(module + ".input_global_scale")) mark_used(module + ".input_global_scale");
+    const float global = scalar_float(*gs, 0);
+    if (!std::isfinite(global) || global <= 0.0f) {
+      return fail(global_name, cat("is ", global, "; a global scale must be finite and positive"));
+    }
+    h.view.format = WeightFormat::kNvfp4;
+    h.view.group = 16;
+    h.data.row_bytes = in / 2;
+    h.data.cols_per_entry = 2;
+    h.data.bytes.assign(wp->bytes.begin(), wp->bytes.end());
+    h.scales.row_bytes = in / 16;
+    h.scales.cols_per_entry = 16;
+    h.scales.bytes.assign(ws->bytes.begin(), ws->bytes.end());
+    h.global.row_bytes = 4;
+    h.global.entry_bytes = 4;
+    h.global.cols_per_entry = in;  // one per row, whatever the columns
+    h.global.bytes.resize(size_t(out * 4));
+    for (int64_t n = 0; n < out; ++n) std::memcpy(h.global.bytes.data() + n * 4, &global, 4);
+    return h;
+  }
+
+  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* w, find(module + ".weight", {out, in}, meaning));
+  if (w->dtype == DType::kF8E4M3) {
+    if (q.method != QuantMethod::kFp8Block) return undeclared(w->name, "FP8");
+    const int64_t bo = q.block_rows;
+    const int64_t bi = q.group_size;
+    const int64_t block_rows = (out + bo - 1) / bo;
+    const int64_t block_cols = (in + bi - 1) / bi;
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* si, find(module + ".weight_scale_inv",
+                                                            {block_rows, block_cols}, meaning));
+    if (si->dtype != DType::kF32 && si->dtype != DType::kBF16 && si->dtype != DType::kF16) {
+      return fail(si->name, cat("is ", dtype_name(si->dtype), "; block scales are F32 (or BF16)"));
+    }
+    for (const char* extra : {".input_scale", ".activation_scale"}) {
+      if (has(module + extra)) mark_used(module + extra);  // activations stay FP16
+    }
+    h.view.format = WeightFormat::kFp8Block;
+    h.view.group = bi;
+    h.data.row_bytes = in;
+    h.data.bytes.assign(w->bytes.begin(), w->bytes.end());
+    h.scales.row_bytes = block_cols * 4;
+    h.scales.entry_bytes = 4;
+    h.scales.cols_per_entry = bi;
+    h.scales.bytes.resize(size_t(out * block_cols * 4));
+    for (int64_t n = 0; n < out; ++n) {
+      for (int64_t b = 0; b < block_cols; ++b) {
+        const float s = scalar_float(*si, (n / bo) * block_cols + b);
+        if (!std::isfinite(s) || s <= 0.0f) {
+          return fail(si->name, cat("holds ", s, " at [", n / bo, ", ", b,
+                                    "]; a block scale must be finite and positive"));
+        }
+        std::memcpy(h.scales.bytes.data() + (n * block_cols + b) * 4, &s, 4);
+      }
+    }
+    return h;
+  }
+  if (w->dtype != DType::kF32 && w->dtype != DType::kF16 && w->dtype != DType::kBF16) {
+    return fail(w->name, cat("is ", dtype_name(w->dtype),
+                             "; dense weights are F32, F16 or BF16"));
+  }
+  h.view.format = WeightFormat::kDense;
+  h.dense_dtype = w->dtype;
+  h.dense_tensor = w;
+  h.data.row_bytes = in * int64_t(dtype_size(w->dtype));
+  h.data.entry_bytes = int64_t(dtype_size(w->dtype));
+  return h;
+}
+
+Result<LinearWeight> WeightLoader::upload_linear(const std::string& module, HostLinear& h) {
+  LinearView& v = h.view;
+  if (!backend_->runs_weight_format(v.format)) {
+    return Status::error(cat(ckpt_->dir().string(), ": ", module, " holds ",
+                             weight_format_name(v.format), " weights, which the ",
+                             backend_->name(), " backend does not run yet; run on the CPU "
+                                               "backend or use an FP16/BF16 checkpoint"));
+  }
+  if (v.format == WeightFormat::kDense) {
+    SafetensorsTensor t;
+    if (h.dense_tensor == nullptr) {
+      t.name = module + ".weight";
+      t.dtype = h.dense_dtype;
+      t.shape = {v.out, v.in};
+      t.end = h.data.bytes.size();
+      t.bytes = std::span<const std::byte>(h.data.bytes.data(), h.data.bytes.size());
+    }
+    Result<BackendBuffer> buffer =
+        backend_->upload_weight(h.dense_tensor != nullptr ? *h.dense_tensor : t);
+    if (!buffer.ok()) return Status::error(cat(ckpt_->dir().string(), ": ", buffer.message()));
+    return LinearWeight::dense(std::move(*buffer), v.out, v.in, int64_t(backend_->act_size()));
+  }
+  BackendBuffer buffers[4];
+  for (int i = 0; i < 4; ++i) {
+    const HostPlane& plane = *h.planes(i);
+    if (plane.empty()) continue;
+    E4KV_ASSIGN_OR_RETURN(buffers[i], backend_->allocate(plane.bytes.size()));
+    backend_->copy_from_host(buffers[i].data(), plane.bytes.data(), plane.bytes.size());
+  }
+  v.data = buffers[0].data();
+  v.scales = buffers[1].data();
+  v.zeros = buffers[2].empty() ? nullptr : buffers[2].data();
+  v.global = buffers[3].empty() ? nullptr : buffers[3].as<float>();
+  return LinearWeight(v, std::move(buffers[0]), std::move(buffers[1]), std::move(buffers[2]),
+                      std::move(buffers[3]));
+}
+
+Result<LinearWeight> WeightLoader::load_linear(const std::string& module, int64_t out, int64_t in,
+                                               std::string_view meaning, const LinearSlice& slice) {
+  E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(module, out, in, meaning));
+  if (slice.dim == LinearSlice::Dim::kRows) {
+    E4KV_ASSERT(slice.begin >= 0 && slice.count > 0 && slice.begin + slice.count <= out,
+                "load_linear: row slice out of range");
+    h.materialize_dense();
+    for (int i = 0; i < 4; ++i) h.planes(i)->take_rows(slice.begin, slice.count);
+    h.view.out = slice.count;
+  } else if (slice.dim == LinearSlice::Dim::kColumns) {
+    E4KV_ASSERT(slice.begin >= 0 && slice.count > 0 && slice.begin + slice.count <= in,
+                "load_linear: column slice out of range");
+    const int64_t c0 = slice.begin;
+    const int64_t c1 = slice.begin + slice.count;
+    const int64_t unit = std::max<int64_t>({h.view.group, h.data.cols_per_entry, int64_t{1}});
+    if (c0 % unit != 0 || (c1 % unit != 0 && c1 != in)) {
+      return Status::error(cat(ckpt_->dir().string(), ": ", module, ": columns [", c0, ", ", c1,
+                               ") do not fall on the ", weight_format_name(h.view.format),
+                               " groups of ", unit, " columns; choose a split whose parts are "
+                                                    "multiples of the group size"));
+    }
+    h.materialize_dense();
+    for (int i = 0; i < 3; ++i) h.planes(i)->take_columns(c0, c1);
+    h.view.in = slice.count;
+  }
+  return upload_linear(module, h);
+}
+
+Result<LinearWeight> WeightLoader::load_linear_row_blocks(const std::string& module, int64_t out,
+                                                          int64_t in, std::string_view meaning,
+                                                          int64_t block_rows,
+                                                          const std::vector<int64_t>& order) {
+  E4KV_ASSERT(block_rows > 0 && out % block_rows == 0 &&
+                  int64_t(order.size()) == out / block_rows,
+              "load_linear_row_blocks: the blocks do not tile the rows");
+  E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(module, out, in, meaning));
+  h.materialize_dense();
+  for (int i = 0; i < 4; ++i) h.planes(i)->regroup(block_rows, order);
+  return upload_linear(module, h);
+}
+
+Result<LinearWeight> WeightLoader::load_linear_concat(const std::vector<std::string>& modules,
+                                                      int64_t out_each, int64_t in,
+                                                      std::string_view meaning) {
+  E4KV_ASSERT(!modules.empty(), "load_linear_concat: nothing to load");
+  HostLinear all;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(modules[i], out_each, in, meaning));
+    h.materialize_dense();
+    if (i == 0) {
+      all = std::move(h);
+      continue;
+    }
+    const bool same = h.view.format == all.view.format && h.view.group == all.view.group &&
+                      h.dense_dtype == all.dense_dtype && h.zeros.empty() == all.zeros.empty();
+    if (!same) {
+      return Status::error(cat(ckpt_->dir().string(), ": ", modules[i], " is stored as ",
+                               weight_format_name(h.view.format), " but ", modules[0], " as ",
+                               weight_format_name(all.view.format),
+                               "; the runtime stacks them into one weight, so they must match"));
+    }
+    for (int p = 0; p < 4; ++p) all.planes(p)->append(*h.planes(p));
+    all.view.out += out_each;
+  }
+  return upload_linear(modules[0], all);
+}
+
+}  // namespace e4kv
