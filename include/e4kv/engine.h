@@ -108,6 +108,10 @@ struct EngineConfig {
   std::string kv_cache_dtype = "fp16";
   // "calibrated" (the checkpoint's scales), or "unit" (every scale 1.0: a negative control).
   std::string kv_scales_mode = "calibrated";
+  // The PLE n-gram tables (Qwen4Exp) in host memory: "auto" (the checkpoint's dtype, read in place
+  // from the memory-mapped checkpoint) or "fp8_e4m3" (converted at load to E4M3 with an FP32 scale
+  // per row: half the host memory of a BF16 table). A model without PLE takes either.
+  std::string ple_dtype = "auto";
   int64_t block_size = 64;             // tokens per KV cache block, a multiple of 16
   int64_t max_model_len = 0;           // prompt plus output; 0: max_position_embeddings
   int64_t max_num_seqs = 0;            // requests running at once; 0: 64

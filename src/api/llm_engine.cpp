@@ -641,6 +641,7 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
   setup.device = config.device;
   setup.kv_cache_dtype = config.kv_cache_dtype;
   setup.kv_scales = config.kv_scales_mode;
+  setup.ple_dtype = config.ple_dtype;
   setup.block_size = config.block_size;
   setup.max_model_len = config.max_model_len;
   setup.threads = config.threads;

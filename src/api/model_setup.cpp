@@ -50,6 +50,9 @@ Status validate_model_setup(const ModelSetup& setup) {
     return Status::error(cat(name("max_batch_tokens"), ": expected 0 (the model's default) to ",
                              kMaxTokenCount, " tokens, got ", setup.max_batch_tokens));
   }
+  if (Result<PleDtype> ple = parse_ple_dtype(setup.ple_dtype); !ple.ok()) {
+    return Status::error(cat(name("ple_dtype"), ": ", ple.status().detail()));
+  }
   const int n_pool_options = int(setup.kv_cache_memory_bytes.has_value()) +
                              int(setup.num_gpu_blocks_override.has_value()) +
                              int(setup.gpu_memory_utilization.has_value());
@@ -232,6 +235,10 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
                                int64_t n_seqs) {
   E4KV_ASSIGN_OR_RETURN(KvCacheDtype dtype, parse_kv_cache_dtype(setup.kv_cache_dtype));
   E4KV_ASSIGN_OR_RETURN(KvScalesMode mode, parse_kv_scales_mode(setup.kv_scales));
+  Result<PleDtype> ple_dtype = parse_ple_dtype(setup.ple_dtype);
+  if (!ple_dtype.ok()) {
+    return Status::error(cat(name_of(setup, "ple_dtype"), ": ", ple_dtype.status().detail()));
+  }
   E4KV_RETURN_IF_ERROR(validate_model_setup(setup));
   std::error_code ec;
   if (!std::filesystem::is_directory(setup.model_dir, ec)) {
@@ -250,6 +257,9 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode = mode;
+  options.ple_dtype = *ple_dtype;
+  // The provisional model of gpu_memory_utilization and the real one share the E4M3 tables.
+  if (*ple_dtype == PleDtype::kE4m3) options.ple_cache = std::make_shared<PleE4m3Cache>();
   options.block_size = setup.block_size;
   options.max_model_len =
       setup.max_model_len > 0 ? setup.max_model_len : config.max_position_embeddings;
@@ -301,6 +311,11 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   E4KV_ASSIGN_OR_RETURN(loaded.model,
                         e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
   loaded.notes = loaded.model->load_notes();
+  if (*ple_dtype == PleDtype::kE4m3 && loaded.model->ple_tables().layers.empty()) {
+    loaded.notes.push_back(cat(name_of(setup, "ple_dtype"),
+                               " fp8_e4m3: this model has no PLE n-gram table; nothing to store "
+                               "as E4M3"));
+  }
   Result<KvPoolSummary> pool = kv_pool_summary(*layout, loaded.model->kv_cache_dtype(),
                                                loaded.model->n_blocks(),
                                                loaded.model->max_model_len());

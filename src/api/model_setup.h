@@ -38,6 +38,10 @@ struct ModelSetup {
   std::string device = "cpu";  // "cpu", "cuda" or "cuda:N"
   std::string kv_cache_dtype = "fp16";
   std::string kv_scales = "calibrated";  // or "unit" (1.0, a negative control)
+  // The PLE n-gram tables in host memory: "auto" (the checkpoint's dtype, read in place) or
+  // "fp8_e4m3" (an E4M3 copy with a scale per row). A model without PLE takes either; with
+  // fp8_e4m3 a note says it has no PLE table.
+  std::string ple_dtype = "auto";
   int64_t block_size = 64;
   int64_t max_model_len = 0;  // 0: config.json's max_position_embeddings
   int threads = 0;            // CPU backend threads; 0: one per hardware thread

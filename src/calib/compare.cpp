@@ -166,6 +166,48 @@ double ModeCompare::perplexity() const {
                         : std::numeric_limits<double>::quiet_NaN();
 }
 
+namespace {
+
+double rel_l2(double sum_sq_error, double sum_sq_value) {
+  return sum_sq_value > 0.0 ? std::sqrt(sum_sq_error / sum_sq_value) : 0.0;
+}
+
+PleTableCompare pooled(const PleCompare& ple) {
+  PleTableCompare all;
+  for (const PleTableCompare& l : ple.layers) {
+    all.rows += l.rows;
+    all.values += l.values;
+    all.sum_sq_error += l.sum_sq_error;
+    all.sum_sq_value += l.sum_sq_value;
+  }
+  return all;
+}
+
+json ple_json(const std::optional<PleCompare>& ple) {
+  if (!ple) return nullptr;
+  const PleTableCompare all = pooled(*ple);
+  json j = {{"dtype", "fp8_e4m3"},
+            {"scale", "fp32 per row, amax / 448"},
+            {"rows_measured", "all"},
+            {"checkpoint_dtype", ple->checkpoint_dtype},
+            {"checkpoint_bytes", ple->checkpoint_bytes},
+            {"host_bytes", ple->host_bytes},
+            {"rows", all.rows},
+            {"values", all.values},
+            {"rel_l2", number(rel_l2(all.sum_sq_error, all.sum_sq_value))}};
+  json layers = json::array();
+  for (const PleTableCompare& l : ple->layers) {
+    layers.push_back({{"layer", l.layer},
+                      {"rows", l.rows},
+                      {"values", l.values},
+                      {"rel_l2", number(rel_l2(l.sum_sq_error, l.sum_sq_value))}});
+  }
+  j["layers"] = std::move(layers);
+  return j;
+}
+
+}  // namespace
+
 std::string compare_json(const CompareReport& report) {
   json j;
   j["format"] = "e4kv-compare/1";
@@ -179,6 +221,7 @@ std::string compare_json(const CompareReport& report) {
   json modes = json::array();
   for (const ModeCompare& m : report.modes) modes.push_back(mode_json(m, false, report.isolated));
   j["modes"] = std::move(modes);
+  j["ple_tables"] = ple_json(report.ple);
   return j.dump(1) + "\n";
 }
 
@@ -188,6 +231,20 @@ std::string compare_markdown(const CompareReport& report) {
   md += cat(report.prompts, " prompts, ", report.teacher_forced_tokens,
             " teacher-forced tokens, greedy continuations of up to ", report.max_tokens,
             " tokens; device ", report.device, ". Definitions: DESIGN.md section 8.\n\n");
+  if (report.ple) {
+    const PleTableCompare all = pooled(*report.ple);
+    md += cat("Every mode read the PLE n-gram tables as fp8_e4m3 (an FP32 scale per row, amax / "
+              "448): relative L2 of the decoded tables against the checkpoint's ",
+              report.ple->checkpoint_dtype, " values ",
+              fmt("%.4g", rel_l2(all.sum_sq_error, all.sum_sq_value)), " over all ", all.rows,
+              " rows (", all.values, " values) of ", report.ple->layers.size(), " table",
+              report.ple->layers.size() == 1 ? "" : "s", ";");
+    for (const PleTableCompare& l : report.ple->layers) {
+      md += cat(" layer ", l.layer, ": ", fmt("%.4g", rel_l2(l.sum_sq_error, l.sum_sq_value)));
+    }
+    md += cat(". Host memory ", report.ple->host_bytes, " bytes (the checkpoint's ",
+              report.ple->checkpoint_bytes, ").\n\n");
+  }
   md += "| mode | scales | perplexity | mean KL | first token | greedy identical | "
         "attn rel L2 | attn cosine |\n";
   md += "|---|---|---|---|---|---|---|---|\n";

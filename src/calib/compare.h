@@ -18,6 +18,9 @@
 // - Free-running: greedy continuations of up to --max-tokens; identical or the first position where
 //   they differ (0-based, in generated tokens).
 // - Retrieval (passkey): per (context, depth) the prompts whose continuation holds the key.
+// - PLE tables (compare --ple-dtype fp8_e4m3, where every mode reads the E4M3 tables): the relative
+//   L2 of the decoded tables against the checkpoint's values, over every value of every row of
+//   every table (the conversion at load visits them all anyway), per PLE layer and pooled.
 #pragma once
 
 #include <array>
@@ -97,6 +100,22 @@ struct ModeCompare {
   double perplexity() const;  // exp(mean NLL); NaN without tokens
 };
 
+// One PLE layer's n-gram table in E4M3 against the checkpoint's values.
+struct PleTableCompare {
+  int64_t layer = 0;  // the model layer
+  int64_t rows = 0;
+  int64_t values = 0;
+  double sum_sq_error = 0.0;  // sum (decoded - value)^2
+  double sum_sq_value = 0.0;  // sum value^2
+};
+
+struct PleCompare {
+  std::string checkpoint_dtype;  // "BF16", ...
+  int64_t checkpoint_bytes = 0;  // the tables in the checkpoint
+  int64_t host_bytes = 0;        // the E4M3 codes and scales
+  std::vector<PleTableCompare> layers;
+};
+
 struct CompareReport {
   std::string model;
   std::string device;
@@ -106,6 +125,7 @@ struct CompareReport {
   bool isolated = false;           // the modes hold isolated-pass figures
   ModeCompare reference;           // "fp16"
   std::vector<ModeCompare> modes;  // "e4m3", then "unit" when asked
+  std::optional<PleCompare> ple;   // the PLE tables were E4M3 (--ple-dtype fp8_e4m3)
 };
 
 std::string compare_json(const CompareReport& report);

@@ -17,7 +17,7 @@
 //     and of every PLE layer (conv window [(kernel - 1) * ngram_size, hc_count * hidden] FP16), as
 //     the CUDA runtime holds them (the CPU backend holds the conv windows in fp32). Reserved with
 //     the rings.
-// Not counted: weights, activations, workspaces.
+// Not counted: weights (kv/weight_memory.h counts them from the headers), activations, workspaces.
 #pragma once
 
 #include <cstdint>

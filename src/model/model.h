@@ -25,6 +25,7 @@
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
 #include "kv/scale_gate.h"
+#include "model/ple_ngram.h"
 
 namespace e4kv {
 
@@ -42,6 +43,31 @@ struct ModelOptions {
   int64_t max_seqs = 0;
   // The most rows one forward returns logits for; 0: max_seqs (the last row of each sequence).
   int64_t max_logit_rows = 0;
+  // How PLE n-gram tables are held in host memory (model/ple_ngram.h); ignored by a model without
+  // PLE. ple_cache (optional) shares the E4M3 tables among models of one checkpoint.
+  PleDtype ple_dtype = PleDtype::kAuto;
+  std::shared_ptr<PleE4m3Cache> ple_cache;
+};
+
+// The PLE n-gram tables a model holds (Qwen4Exp), for the load line and `e4kv compare`.
+struct PleTablesSummary {
+  struct Layer {
+    int64_t layer = 0;  // the model layer
+    int64_t n_rows = 0;
+    PleTableError error;  // zeros unless E4M3
+  };
+  PleDtype dtype = PleDtype::kAuto;
+  DType checkpoint_dtype = DType::kF32;
+  int64_t dim = 0;               // values per row
+  int64_t checkpoint_bytes = 0;  // the tables in the checkpoint (memory-mapped)
+  int64_t host_bytes = 0;        // the E4M3 copies' codes and scales (0: read in place)
+  std::vector<Layer> layers;     // empty: no PLE
+
+  PleTableError error() const {
+    PleTableError all;
+    for (const Layer& l : layers) all += l.error;
+    return all;
+  }
 };
 
 // The limits a loaded model was sized for (ModelOptions with the defaults filled in).
@@ -162,6 +188,9 @@ class Model {
   // What loading decided that a user should see once (one line each), e.g. checkpoint tensors
   // the text model skips.
   virtual std::vector<std::string> load_notes() const { return {}; }
+
+  // The PLE n-gram tables (none for a model without PLE).
+  virtual PleTablesSummary ple_tables() const { return {}; }
 
   // Why the model cannot take token `id` as input (an empty string when it can), for ids inside the
   // vocabulary: Qwen4Exp's image and video placeholders, which need the vision tower e4kv does not

@@ -1,15 +1,20 @@
 #include "model/ple_ngram.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <iterator>
 #include <limits>
 #include <map>
+#include <new>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 #include "core/check.h"
 #include "core/half.h"
+#include "e4kv/e4m3.h"
 
 namespace e4kv {
 namespace {
@@ -323,28 +328,153 @@ Result<PleTable> PleTable::open(const Checkpoint& ckpt, const std::string& prefi
   return table;
 }
 
+const std::byte* PleTable::mapped_row(int64_t id) const {
+  const auto it = std::upper_bound(shard_begins_.begin(), shard_begins_.end(), id);
+  const Shard& shard = shards_[size_t(std::distance(shard_begins_.begin(), it) - 1)];
+  return shard.data + size_t(id - shard.row_begin) * size_t(dim_) * dtype_size(dtype_);
+}
+
+namespace {
+
+// A row of the checkpoint's table as fp32 (exact). The mapping gives no alignment guarantee for a
+// tensor's data: copy bytes, never cast.
+void row_to_f32(const std::byte* src, DType dtype, int64_t dim, float* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, size_t(dim) * sizeof(float));
+    return;
+  }
+  for (int64_t c = 0; c < dim; ++c) {
+    uint16_t bits;
+    std::memcpy(&bits, src + c * 2, 2);
+    dst[c] = dtype == DType::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
+  }
+}
+
+}  // namespace
+
+Result<PleDtype> parse_ple_dtype(std::string_view name) {
+  if (name == "auto") return PleDtype::kAuto;
+  if (name == "fp8_e4m3") return PleDtype::kE4m3;
+  return Status::option_error(
+      "ple_dtype", cat("unknown value \"", name,
+                       "\"; expected auto (the checkpoint's dtype, read in place) or fp8_e4m3 "
+                       "(an E4M3 copy with a scale per row, half the host memory)"));
+}
+
+std::string_view ple_dtype_name(PleDtype dtype) {
+  return dtype == PleDtype::kE4m3 ? "fp8_e4m3" : "auto";
+}
+
+double PleTableError::rel_l2() const {
+  return sum_sq_value > 0.0 ? std::sqrt(sum_sq_error / sum_sq_value) : 0.0;
+}
+
+float ple_encode_row_e4m3(std::span<const float> row, uint8_t* codes) {
+  float amax = 0.0f;
+  for (float x : row) amax = std::max(amax, std::fabs(x));
+  const float scale = amax > 0.0f ? amax / kE4m3Max : 1.0f;
+  for (size_t c = 0; c < row.size(); ++c) codes[c] = e4m3_encode(row[c], scale);
+  return scale;
+}
+
+Status PleTable::to_e4m3(const Checkpoint& ckpt, const std::string& prefix, PleE4m3Cache* cache) {
+  if (e4m3_ != nullptr) return ok_status();
+  if (cache != nullptr) {
+    if (std::shared_ptr<const PleE4m3Rows> held = cache->find(prefix)) {
+      e4m3_ = std::move(held);
+      return ok_status();
+    }
+  }
+  const size_t n_codes = size_t(n_rows_) * size_t(dim_);
+  auto rows = std::make_shared<PleE4m3Rows>();
+  rows->codes.reset(new (std::nothrow) uint8_t[std::max<size_t>(1, n_codes)]);
+  rows->scales.reset(new (std::nothrow) float[std::max<size_t>(1, size_t(n_rows_))]);
+  if (rows->codes == nullptr || rows->scales == nullptr) {
+    return Status::error(cat(ckpt.dir().string(), ": the E4M3 copy of the PLE table ", prefix,
+                             "ngram_embedding (", n_codes + size_t(n_rows_) * 4,
+                             " bytes) does not fit in host memory; use --ple-dtype auto (the "
+                             "table read in place from the checkpoint)"));
+  }
+  // Blocks of rows, each with its own error sums, added in block order at the end: the figures do
+  // not depend on the number of threads.
+  constexpr int64_t kBlockRows = int64_t(1) << 14;
+  const int64_t n_blocks = (n_rows_ + kBlockRows - 1) / kBlockRows;
+  std::vector<PleTableError> block_errors(static_cast<size_t>(n_blocks));
+  std::vector<int64_t> bad_rows(static_cast<size_t>(n_blocks), -1);  // a block's first non-finite row
+  std::atomic<int64_t> next_block{0};
+  auto work = [&] {
+    std::vector<float> values(static_cast<size_t>(dim_));
+    for (int64_t b = next_block++; b < n_blocks; b = next_block++) {
+      PleTableError& error = block_errors[size_t(b)];
+      const int64_t end = std::min(n_rows_, (b + 1) * kBlockRows);
+      for (int64_t r = b * kBlockRows; r < end; ++r) {
+        row_to_f32(mapped_row(r), dtype_, dim_, values.data());
+        if (!std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); })) {
+          bad_rows[size_t(b)] = r;
+          break;
+        }
+        uint8_t* codes = rows->codes.get() + size_t(r) * size_t(dim_);
+        const float scale = ple_encode_row_e4m3(values, codes);
+        rows->scales[size_t(r)] = scale;
+        for (int64_t c = 0; c < dim_; ++c) {
+          const double value = values[size_t(c)];
+          const double decoded = e4m3_decode(codes[c]) * scale;
+          error.sum_sq_error += (decoded - value) * (decoded - value);
+          error.sum_sq_value += value * value;
+        }
+        error.n_rows += 1;
+        error.n_values += dim_;
+      }
+    }
+  };
+  const int64_t n_threads =
+      std::clamp<int64_t>(int64_t(std::thread::hardware_concurrency()), 1, 32);
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < std::min(n_threads, n_blocks); ++t) threads.emplace_back(work);
+  work();
+  for (std::thread& thread : threads) thread.join();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    if (const int64_t r = bad_rows[size_t(b)]; r >= 0) {
+      return Status::error(cat(ckpt.dir().string(), ": the PLE table ", prefix,
+                               "ngram_embedding has a non-finite value in row ", r,
+                               "; it cannot be stored as E4M3 (use --ple-dtype auto)"));
+    }
+    rows->error += block_errors[size_t(b)];
+  }
+  e4m3_ = rows;
+  if (cache != nullptr) cache->add(prefix, std::move(rows));
+  return ok_status();
+}
+
+std::span<const uint8_t> PleTable::e4m3_codes() const {
+  if (e4m3_ == nullptr) return {};
+  return {e4m3_->codes.get(), size_t(n_rows_) * size_t(dim_)};
+}
+
+std::span<const float> PleTable::e4m3_scales() const {
+  if (e4m3_ == nullptr) return {};
+  return {e4m3_->scales.get(), size_t(n_rows_)};
+}
+
+int64_t PleTable::owned_bytes() const {
+  return e4m3_ == nullptr ? 0 : n_rows_ * dim_ + n_rows_ * int64_t(sizeof(float));
+}
+
 void PleTable::gather(const int64_t* ids, int64_t n, float* out) const {
   E4KV_ASSERT(n >= 0 && (n == 0 || (ids != nullptr && out != nullptr)),
               "PleTable::gather: null ids or out");
-  const size_t row_bytes = size_t(dim_) * dtype_size(dtype_);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = ids[i];
     E4KV_ASSERT(id >= 0 && id < n_rows_,
                 cat("PleTable::gather: row ", id, " outside [0, ", n_rows_, ")"));
-    const auto it = std::upper_bound(shard_begins_.begin(), shard_begins_.end(), id);
-    const Shard& shard = shards_[size_t(std::distance(shard_begins_.begin(), it) - 1)];
-    // The mapping gives no alignment guarantee for a tensor's data: copy bytes, never cast.
-    const std::byte* src = shard.data + size_t(id - shard.row_begin) * row_bytes;
     float* dst = out + i * dim_;
-    if (dtype_ == DType::kF32) {
-      std::memcpy(dst, src, row_bytes);
+    if (e4m3_ != nullptr) {
+      const uint8_t* codes = e4m3_->codes.get() + size_t(id) * size_t(dim_);
+      const float scale = e4m3_->scales[size_t(id)];
+      for (int64_t c = 0; c < dim_; ++c) dst[c] = e4m3_decode(codes[c]) * scale;
       continue;
     }
-    for (int64_t c = 0; c < dim_; ++c) {
-      uint16_t bits;
-      std::memcpy(&bits, src + c * 2, 2);
-      dst[c] = dtype_ == DType::kBF16 ? bf16_to_f32(bits) : f16_to_f32(bits);
-    }
+    row_to_f32(mapped_row(id), dtype_, dim_, dst);
   }
 }
 

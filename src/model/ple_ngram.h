@@ -21,8 +21,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/dtype.h"
@@ -65,8 +68,68 @@ void ple_ngram_ids(const PleHashParams& params, int64_t eos, std::span<const int
                    std::span<int32_t> history, int64_t* ids);
 std::vector<int32_t> ple_history_init(int64_t ngram_size, int64_t eos);
 
+// How the n-gram tables are held in host memory (--ple-dtype):
+//   auto      read in place from the memory-mapped checkpoint, in its dtype (F32, F16 or BF16);
+//   fp8_e4m3  converted at load into an owned copy of E4M3 codes with an FP32 scale per row, half
+//             the host memory of an F16/BF16 table (plus 4 bytes per row): rows * (dim + 4) bytes.
+// The per-row scale follows the table's own granularity: a row is what one hash head of one
+// token reads, and rows of different heads and n-gram orders are trained independently, so their
+// magnitudes differ; a shared scale would push the small rows into E4M3's subnormals.
+enum class PleDtype { kAuto, kE4m3 };
+// "auto" or "fp8_e4m3"; other names are an option_error of "ple_dtype".
+Result<PleDtype> parse_ple_dtype(std::string_view name);
+std::string_view ple_dtype_name(PleDtype dtype);  // "auto" | "fp8_e4m3"
+
+// One row of an E4M3 table: scale = amax / 448 (fp32 division; 1 for a row of zeros) and
+// codes[c] = e4m3_encode(row[c], scale) = e4m3_satfinite_rne(fp32(row[c] / scale)), the KV cache's
+// codec (include/e4kv/e4m3.h); the decoded value is the fp32 product e4m3_decode(codes[c]) * scale.
+// The row must be finite (the caller checks). Returns the scale.
+float ple_encode_row_e4m3(std::span<const float> row, uint8_t* codes);
+
+// The error of an E4M3 table against the checkpoint's values, over every value of every row:
+// relative L2 = sqrt(sum (decoded - value)^2 / sum value^2).
+struct PleTableError {
+  double sum_sq_error = 0.0;
+  double sum_sq_value = 0.0;
+  int64_t n_rows = 0;
+  int64_t n_values = 0;
+
+  PleTableError& operator+=(const PleTableError& other) {
+    sum_sq_error += other.sum_sq_error;
+    sum_sq_value += other.sum_sq_value;
+    n_rows += other.n_rows;
+    n_values += other.n_values;
+    return *this;
+  }
+  double rel_l2() const;  // 0 for a table of zeros
+};
+
+// A table converted to E4M3 (owned, host memory).
+struct PleE4m3Rows {
+  std::unique_ptr<uint8_t[]> codes;  // [n_rows, dim] E4M3
+  std::unique_ptr<float[]> scales;   // [n_rows] fp32
+  PleTableError error;
+};
+
+// The E4M3 tables converted so far, by tensor prefix, so that models loaded from one checkpoint
+// in one process (the provisional and the real model of --gpu-memory-utilization, the modes of
+// `e4kv compare`) convert and hold each table once. Only for tables of the same checkpoint.
+class PleE4m3Cache {
+ public:
+  std::shared_ptr<const PleE4m3Rows> find(const std::string& prefix) const {
+    const auto it = tables_.find(prefix);
+    return it == tables_.end() ? nullptr : it->second;
+  }
+  void add(const std::string& prefix, std::shared_ptr<const PleE4m3Rows> rows) {
+    tables_[prefix] = std::move(rows);
+  }
+
+ private:
+  std::map<std::string, std::shared_ptr<const PleE4m3Rows>> tables_;
+};
+
 // The n-gram table of one PLE layer, read in place from the memory-mapped checkpoint (never copied
-// whole: the released one is about 320M rows per layer). On disk it is either one tensor
+// whole: the released one is about 320M rows per layer), or converted once to E4M3 (to_e4m3). On disk it is either one tensor
 // `<prefix>ngram_embedding.weight` [n_rows, dim] or row shards
 // `<prefix>ngram_embedding.shard_{k}.weight` [rows_k, dim], k = 0, 1, ... concatenated in numeric
 // order (shard_2 before shard_11, trap 20; torch.chunk may have made fewer than
@@ -85,10 +148,27 @@ class PleTable {
 
   int64_t n_rows() const { return n_rows_; }
   int64_t dim() const { return dim_; }
-  DType dtype() const { return dtype_; }
+  DType dtype() const { return dtype_; }  // the checkpoint's
+  bool is_e4m3() const { return e4m3_ != nullptr; }
 
-  // out[i, :] = row ids[i] converted to fp32 (exact for every dtype). ids: [n], each in
-  // [0, n_rows) (the caller checked; asserted here); out: [n, dim].
+  // Converts the table to E4M3 (ple_encode_row_e4m3 per row, on every hardware thread); later
+  // gathers read the copy, never the mapping again. With a cache: a table it holds under `prefix`
+  // is reused, a new one is added. Errors (naming the checkpoint, the tensor and the row): a
+  // non-finite value. On error the table is unchanged.
+  Status to_e4m3(const Checkpoint& ckpt, const std::string& prefix, PleE4m3Cache* cache);
+  // The E4M3 copy's error against the checkpoint's values; zeros before to_e4m3.
+  PleTableError e4m3_error() const { return e4m3_ ? e4m3_->error : PleTableError{}; }
+  // The E4M3 copy, [n_rows, dim] codes and [n_rows] scales; empty before to_e4m3.
+  std::span<const uint8_t> e4m3_codes() const;
+  std::span<const float> e4m3_scales() const;
+  // Host memory the table holds itself: the E4M3 copy's codes and scales, or 0 (read in place).
+  int64_t owned_bytes() const;
+  // The table's bytes in the checkpoint.
+  int64_t checkpoint_bytes() const { return n_rows_ * dim_ * int64_t(dtype_size(dtype_)); }
+
+  // out[i, :] = row ids[i] converted to fp32 (exact for every dtype; for an E4M3 copy,
+  // e4m3_decode(code) * scale). ids: [n], each in [0, n_rows) (the caller checked; asserted
+  // here); out: [n, dim].
   void gather(const int64_t* ids, int64_t n, float* out) const;
 
   // The tensor names the table is made of (shards in numeric order), for the weight loader's
@@ -108,6 +188,9 @@ class PleTable {
   std::vector<Shard> shards_;          // in row order
   std::vector<int64_t> shard_begins_;  // shards_[i].row_begin, for the binary search of a row
   std::vector<std::string> used_names_;
+  std::shared_ptr<const PleE4m3Rows> e4m3_;  // null: read from the mapping
+  // Row `id` of the checkpoint's table (its shard's bytes, dtype_).
+  const std::byte* mapped_row(int64_t id) const;
 };
 
 // The int64 buffers a checkpoint may carry for one PLE layer (persistent nn.Buffers, M:1106-1110):

@@ -152,6 +152,8 @@ const std::vector<CommandSpec>& commands() {
          return {"capacity", p.qwen4exp.string()};
        },
        {{"--budget-gib", "1"},
+        {"--gpu-memory-gib", "80"},
+        {"--gpu-memory-utilization", "0.9"},
         {"--request-tokens", "4096"},
         {"--block-size", "64"},
         {"--max-seqs", "1"}}},

@@ -1,6 +1,11 @@
 // e4kv capacity MODEL_DIR --budget-gib X: KV cache tokens and request concurrency for a memory
 // budget, FP16 against E4M3 (reads config.json only; no weights needed). What is counted is written
 // in kv/capacity.h.
+// e4kv capacity MODEL_DIR --gpu-memory-gib C [--gpu-memory-utilization G] [--ple-dtype D]: the
+// memory plan of the checkpoint on a card of C GiB: its weights on the device by kind (from the
+// safetensors headers, quantized formats included; kv/weight_memory.h), the PLE tables in host
+// memory, the KV pool left of G * C, and the maximum concurrency at 128K and 256K tokens for FP16
+// and E4M3 K/V. Without --budget-gib the KV figures above use that pool as their budget.
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -13,6 +18,8 @@
 #include "io/model_config.h"
 #include "kv/block_allocator.h"
 #include "kv/capacity.h"
+#include "kv/weight_memory.h"
+#include "model/ple_ngram.h"
 #include "numeric_flags.h"
 
 namespace e4kv::cli {
@@ -20,7 +27,10 @@ namespace {
 
 struct CapacityArgs {
   std::string model_dir;
-  double budget_gib = 0.0;
+  std::optional<double> budget_gib;
+  std::optional<double> gpu_memory_gib;
+  std::optional<double> gpu_memory_utilization;  // absent: 0.9
+  std::string ple_dtype = "auto";
   std::optional<int64_t> request_tokens;  // absent: max_position_embeddings when the config has it
   int64_t block_size = 64;
   int64_t reserved_seqs = 1;
@@ -35,10 +45,159 @@ struct Side {
   std::optional<RequestConcurrency> concurrency;
 };
 
+// The context lengths of the plan's concurrency figures (128K and 256K tokens).
+constexpr int64_t kPlanContexts[] = {131072, 262144};
+constexpr double kDefaultUtilization = 0.9;
+
+// The memory plan of a checkpoint on one card (--gpu-memory-gib).
+struct MemoryPlan {
+  WeightMemory weights;
+  bool ple_e4m3 = false;
+  int64_t ple_host_bytes = 0;  // as --ple-dtype holds the tables
+  int64_t card_bytes = 0;
+  double utilization = kDefaultUtilization;
+  int64_t share_bytes = 0;    // floor(utilization * card_bytes)
+  int64_t kv_pool_bytes = 0;  // share - device weights
+  struct Context {
+    int64_t tokens = 0;
+    RequestConcurrency fp16, e4m3;
+  };
+  std::vector<Context> contexts;
+};
+
+std::string gib_text(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GiB", double(bytes) / kGib);
+  return buf;
+}
+
+Result<MemoryPlan> memory_plan(const CapacityArgs& args, const KvCacheLayout& layout) {
+  MemoryPlan plan;
+  E4KV_ASSIGN_OR_RETURN(const PleDtype ple_dtype, parse_ple_dtype(args.ple_dtype));
+  plan.ple_e4m3 = ple_dtype == PleDtype::kE4m3;
+  plan.utilization = args.gpu_memory_utilization.value_or(kDefaultUtilization);
+  if (!(plan.utilization > 0.0 && plan.utilization <= 1.0)) {
+    return Status::error(cat("--gpu-memory-utilization: expected a fraction in (0, 1] of the "
+                             "card's memory, got ",
+                             plan.utilization));
+  }
+  E4KV_ASSIGN_OR_RETURN(plan.weights, weight_memory(args.model_dir));
+  plan.ple_host_bytes =
+      plan.ple_e4m3 ? plan.weights.ple_e4m3_bytes() : plan.weights.ple_checkpoint_bytes;
+  plan.card_bytes = static_cast<int64_t>(std::floor(*args.gpu_memory_gib * kGib));
+  plan.share_bytes = static_cast<int64_t>(std::floor(plan.utilization * double(plan.card_bytes)));
+  const int64_t weights = plan.weights.device_total();
+  if (weights >= plan.share_bytes) {
+    return Status::error(cat("--gpu-memory-gib ", *args.gpu_memory_gib, ": the weights take ",
+                             weights, " bytes (", gib_text(weights), ") of the card's ",
+                             plan.share_bytes, " bytes at --gpu-memory-utilization ",
+                             plan.utilization, "; nothing is left for the KV cache"));
+  }
+  plan.kv_pool_bytes = plan.share_bytes - weights;
+  for (const int64_t tokens : kPlanContexts) {
+    MemoryPlan::Context context;
+    context.tokens = tokens;
+    E4KV_ASSIGN_OR_RETURN(context.fp16, request_concurrency(layout, KvCacheDtype::kF16,
+                                                            plan.kv_pool_bytes, tokens));
+    E4KV_ASSIGN_OR_RETURN(context.e4m3, request_concurrency(layout, KvCacheDtype::kE4m3,
+                                                            plan.kv_pool_bytes, tokens));
+    plan.contexts.push_back(context);
+  }
+  return plan;
+}
+
+nlohmann::ordered_json plan_json(const MemoryPlan& plan) {
+  nlohmann::ordered_json j;
+  j["quantization"] = plan.weights.quantization;
+  nlohmann::ordered_json kinds;
+  for (int k = 0; k < int(WeightKind::kCount); ++k) {
+    kinds[std::string(weight_kind_name(WeightKind(k)))] = {
+        {"bytes", plan.weights.device_bytes[size_t(k)]},
+        {"tensors", plan.weights.tensors[size_t(k)]}};
+  }
+  j["weights_device"] = std::move(kinds);
+  j["weights_device_bytes"] = plan.weights.device_total();
+  j["skipped_tensors"] = plan.weights.skipped_tensors;
+  j["ple_dtype"] = plan.ple_e4m3 ? "fp8_e4m3" : "auto";
+  j["ple_rows"] = plan.weights.ple_rows;
+  j["ple_checkpoint_bytes"] = plan.weights.ple_checkpoint_bytes;
+  j["ple_e4m3_bytes"] = plan.weights.ple_e4m3_bytes();
+  j["ple_host_bytes"] = plan.ple_host_bytes;
+  j["card_bytes"] = plan.card_bytes;
+  j["gpu_memory_utilization"] = plan.utilization;
+  j["share_bytes"] = plan.share_bytes;
+  j["kv_pool_bytes"] = plan.kv_pool_bytes;
+  nlohmann::ordered_json contexts = nlohmann::ordered_json::array();
+  for (const MemoryPlan::Context& c : plan.contexts) {
+    contexts.push_back({{"tokens", c.tokens},
+                        {"max_concurrency_fp16", c.fp16.max_concurrency},
+                        {"max_requests_fp16", c.fp16.max_requests},
+                        {"max_concurrency_e4m3", c.e4m3.max_concurrency},
+                        {"max_requests_e4m3", c.e4m3.max_requests}});
+  }
+  j["contexts"] = std::move(contexts);
+  return j;
+}
+
+void print_plan(const MemoryPlan& plan) {
+  std::printf("\nmemory plan (quantization: %s)\n", plan.weights.quantization.c_str());
+  std::printf("%-28s %8s %16s %12s\n", "weights on the device", "tensors", "bytes", "GiB");
+  for (int k = 0; k < int(WeightKind::kCount); ++k) {
+    std::printf("  %-26s %8lld %16lld %12.3f\n", std::string(weight_kind_name(WeightKind(k))).c_str(),
+                static_cast<long long>(plan.weights.tensors[size_t(k)]),
+                static_cast<long long>(plan.weights.device_bytes[size_t(k)]),
+                double(plan.weights.device_bytes[size_t(k)]) / kGib);
+  }
+  std::printf("  %-26s %8s %16lld %12.3f\n", "total", "",
+              static_cast<long long>(plan.weights.device_total()),
+              double(plan.weights.device_total()) / kGib);
+  if (plan.weights.ple_rows > 0) {
+    std::printf("PLE n-gram tables (host): %lld rows; auto %lld bytes (%s, memory-mapped), "
+                "fp8_e4m3 %lld bytes (%s); --ple-dtype %s: %lld bytes\n",
+                static_cast<long long>(plan.weights.ple_rows),
+                static_cast<long long>(plan.weights.ple_checkpoint_bytes),
+                gib_text(plan.weights.ple_checkpoint_bytes).c_str(),
+                static_cast<long long>(plan.weights.ple_e4m3_bytes()),
+                gib_text(plan.weights.ple_e4m3_bytes()).c_str(),
+                plan.ple_e4m3 ? "fp8_e4m3" : "auto", static_cast<long long>(plan.ple_host_bytes));
+  }
+  std::printf("card %s x %.3f = %lld bytes; weights %lld; KV pool %lld bytes (%s); activations "
+              "and workspaces not counted\n",
+              gib_text(plan.card_bytes).c_str(), plan.utilization,
+              static_cast<long long>(plan.share_bytes),
+              static_cast<long long>(plan.weights.device_total()),
+              static_cast<long long>(plan.kv_pool_bytes), gib_text(plan.kv_pool_bytes).c_str());
+  std::printf("%-28s %14s %14s\n", "max concurrency", "FP16", "E4M3");
+  for (const MemoryPlan::Context& c : plan.contexts) {
+    const std::string label = cat(c.tokens, " tokens");
+    std::printf("%-28s %13.2fx %13.2fx\n", label.c_str(), c.fp16.max_concurrency,
+                c.e4m3.max_concurrency);
+  }
+}
+
 Status run_capacity(const CapacityArgs& args) {
-  if (!std::isfinite(args.budget_gib) || args.budget_gib <= 0.0 || args.budget_gib > 1.0e6) {
+  if (!args.budget_gib && !args.gpu_memory_gib) {
+    return Status::error("give --budget-gib (a KV cache budget) or --gpu-memory-gib (a card's "
+                         "memory, for the memory plan of the checkpoint's weights), or both");
+  }
+  if (args.budget_gib &&
+      (!std::isfinite(*args.budget_gib) || *args.budget_gib <= 0.0 || *args.budget_gib > 1.0e6)) {
     return Status::error(cat("--budget-gib: expected a positive number of GiB (at most 1e6), got ",
-                             args.budget_gib));
+                             *args.budget_gib));
+  }
+  if (args.gpu_memory_gib && (!std::isfinite(*args.gpu_memory_gib) ||
+                              *args.gpu_memory_gib <= 0.0 || *args.gpu_memory_gib > 1.0e6)) {
+    return Status::error(cat("--gpu-memory-gib: expected a positive number of GiB (at most "
+                             "1e6), got ",
+                             *args.gpu_memory_gib));
+  }
+  if (!args.gpu_memory_gib && args.gpu_memory_utilization) {
+    return Status::error("--gpu-memory-utilization: a fraction of the card given by "
+                         "--gpu-memory-gib; give that too");
+  }
+  if (!args.gpu_memory_gib && args.ple_dtype != "auto") {
+    return Status::error("--ple-dtype: the PLE tables' host memory is part of the memory plan; "
+                         "give --gpu-memory-gib too");
   }
   if (args.request_tokens && (*args.request_tokens <= 0 || *args.request_tokens > kMaxTokenCount)) {
     return Status::error(cat("--request-tokens: expected 1 to ", kMaxTokenCount, " tokens, got ",
@@ -57,7 +216,13 @@ Status run_capacity(const CapacityArgs& args) {
     return Status::error(cat(args.model_dir, "/config.json: ", layout_or.message()));
   }
   const KvCacheLayout layout = *layout_or;
-  const int64_t budget_bytes = static_cast<int64_t>(std::floor(args.budget_gib * kGib));
+  std::optional<MemoryPlan> plan;
+  if (args.gpu_memory_gib) {
+    E4KV_ASSIGN_OR_RETURN(plan, memory_plan(args, layout));
+  }
+  const int64_t budget_bytes = args.budget_gib
+                                   ? static_cast<int64_t>(std::floor(*args.budget_gib * kGib))
+                                   : plan->kv_pool_bytes;
   std::optional<int64_t> request_tokens = args.request_tokens;
   if (!request_tokens && config.max_position_embeddings > 0) {
     request_tokens = config.max_position_embeddings;
@@ -128,6 +293,7 @@ Status run_capacity(const CapacityArgs& args) {
         out["max_requests" + suffix] = nullptr;
       }
     }
+    out["memory_plan"] = plan ? plan_json(*plan) : nlohmann::ordered_json(nullptr);
     std::printf("%s\n", out.dump(2).c_str());
     return ok_status();
   }
@@ -135,8 +301,10 @@ Status run_capacity(const CapacityArgs& args) {
   std::printf("model %s: %lld layers, %lld with a KV cache (%lld QSA)\n", args.model_dir.c_str(),
               static_cast<long long>(config.n_layers), static_cast<long long>(layout.n_kv_layers),
               static_cast<long long>(layout.n_qsa_layers));
-  std::printf("budget %.3f GiB (%lld bytes), block size %lld, rings reserved for %lld sequence%s\n",
-              args.budget_gib, static_cast<long long>(budget_bytes),
+  std::printf("budget %.3f GiB (%lld bytes%s), block size %lld, rings reserved for %lld "
+              "sequence%s\n",
+              double(budget_bytes) / kGib, static_cast<long long>(budget_bytes),
+              args.budget_gib ? "" : ": the memory plan's KV pool",
               static_cast<long long>(layout.block_size), static_cast<long long>(args.reserved_seqs),
               args.reserved_seqs == 1 ? "" : "s");
   std::printf("%-28s %14s %14s\n", "", "FP16", "E4M3");
@@ -168,6 +336,7 @@ Status run_capacity(const CapacityArgs& args) {
                 static_cast<long long>(*request_tokens), f16.concurrency->max_concurrency,
                 e4m3.concurrency->max_concurrency);
   }
+  if (plan) print_plan(*plan);
   return ok_status();
 }
 
@@ -178,9 +347,23 @@ void add_capacity_command(CLI::App& app, Status& result) {
       "capacity", "KV cache tokens and request concurrency for a memory budget, FP16 vs E4M3");
   auto args = std::make_shared<CapacityArgs>();
   cmd->add_option("MODEL_DIR", args->model_dir, "Model directory with config.json")->required();
-  cmd->add_option("--budget-gib", args->budget_gib, "KV cache memory budget in GiB")
-      ->transform(finite_number())
-      ->required();
+  cmd->add_option_function<double>(
+         "--budget-gib", [args](const double& g) { args->budget_gib = g; },
+         "KV cache memory budget in GiB")
+      ->transform(finite_number());
+  cmd->add_option_function<double>(
+         "--gpu-memory-gib", [args](const double& g) { args->gpu_memory_gib = g; },
+         "A card's memory in GiB: the memory plan of the checkpoint's weights (safetensors "
+         "headers, quantized formats included) and the KV pool they leave")
+      ->transform(finite_number());
+  cmd->add_option_function<double>(
+         "--gpu-memory-utilization",
+         [args](const double& g) { args->gpu_memory_utilization = g; },
+         "The fraction of --gpu-memory-gib e4kv may take (default 0.9)")
+      ->transform(finite_number());
+  cmd->add_option("--ple-dtype", args->ple_dtype,
+                  "PLE n-gram tables in the plan's host memory: auto or fp8_e4m3")
+      ->capture_default_str();
   cmd->add_option_function<int64_t>(
          "--request-tokens", [args](const int64_t& n) { args->request_tokens = n; },
          "Tokens per request (prompt + output) for the concurrency figure (default: "

@@ -11,6 +11,8 @@
 //   free-running: greedy continuations of --max-tokens from each prompt in every mode;
 //   --task passkey: generated retrieval prompts (a key in filler text at each --depths percent of
 //     each --context length), greedy, correct when the continuation holds the key.
+// With --ple-dtype fp8_e4m3 every mode (the FP16 reference too) reads the PLE tables as E4M3, held
+// once for all modes, and the report gives the tables' error against the checkpoint's values.
 // Prints the Markdown table; --out DIR also writes compare.json, compare.md and compare.svg.
 #include <algorithm>
 #include <charconv>
@@ -381,8 +383,13 @@ Status run_compare(const CompareArgs& args) {
   options.max_batch_tokens = std::max<int64_t>(args.prefill_chunk, 1);
   options.max_logit_rows = options.max_batch_tokens;
   options.max_seqs = 1;
+  E4KV_ASSIGN_OR_RETURN(options.ple_dtype, parse_ple_dtype(args.model.ple_dtype));
+  if (options.ple_dtype == PleDtype::kE4m3) options.ple_cache = std::make_shared<PleE4m3Cache>();
   Runner ref;
   E4KV_ASSIGN_OR_RETURN(ref.model, load_model(ckpt, *backend, options));
+  for (const std::string& note : ref.model->load_notes()) {
+    std::fprintf(stderr, "e4kv: %s\n", note.c_str());
+  }
   std::vector<Runner> runners;
   CompareReport report;
   report.model = fs::path(args.model.model_dir).lexically_normal().filename().string();
@@ -391,6 +398,23 @@ Status run_compare(const CompareArgs& args) {
   report.isolated = args.isolated;
   report.reference.name = "fp16";
   report.reference.scales = "-";
+  if (options.ple_dtype == PleDtype::kE4m3) {
+    const PleTablesSummary tables = ref.model->ple_tables();
+    if (tables.layers.empty()) {
+      std::fprintf(stderr, "e4kv: --ple-dtype fp8_e4m3: this model has no PLE n-gram table; "
+                           "nothing to store as E4M3\n");
+    } else {
+      PleCompare ple;
+      ple.checkpoint_dtype = std::string(dtype_name(tables.checkpoint_dtype));
+      ple.checkpoint_bytes = tables.checkpoint_bytes;
+      ple.host_bytes = tables.host_bytes;
+      for (const PleTablesSummary::Layer& l : tables.layers) {
+        ple.layers.push_back({l.layer, l.n_rows, l.error.n_values, l.error.sum_sq_error,
+                              l.error.sum_sq_value});
+      }
+      report.ple = std::move(ple);
+    }
+  }
   for (const KvScalesMode mode :
        {KvScalesMode::kCalibrated, KvScalesMode::kUnit}) {
     if (mode == KvScalesMode::kUnit && !args.unit_control) continue;

@@ -87,6 +87,7 @@ Status run_serve(ServeArgs& args) {
   config.device = args.model.device;
   config.kv_cache_dtype = args.model.kv_cache_dtype;
   config.kv_scales_mode = args.model.kv_scales;
+  config.ple_dtype = args.model.ple_dtype;
   config.block_size = args.model.block_size;
   config.max_model_len = args.model.max_model_len;
   config.max_num_seqs = args.max_num_seqs;
@@ -113,7 +114,8 @@ Status run_serve(ServeArgs& args) {
     std::string field = engine.status().field();
     if (field.empty()) {
       for (const char* known :
-           {"model", "device", "kv_cache_dtype", "kv_scales_mode", "block_size", "max_model_len",
+           {"model", "device", "kv_cache_dtype", "kv_scales_mode", "ple_dtype", "block_size",
+            "max_model_len",
             "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
             "num_gpu_blocks_override", "gpu_memory_utilization", "threads", "chat_template"}) {
         if (message.rfind(std::string(known) + ":", 0) == 0) field = known;

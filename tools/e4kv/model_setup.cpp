@@ -33,6 +33,10 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
                   "E4M3 cache scales: calibrated (from the checkpoint; fails closed) or unit "
                   "(1.0, a negative control)")
       ->capture_default_str();
+  cmd->add_option("--ple-dtype", flags.ple_dtype,
+                  "PLE n-gram tables in host memory: auto (the checkpoint's dtype, read in place) "
+                  "or fp8_e4m3 (an E4M3 copy with an FP32 scale per row, half the memory)")
+      ->capture_default_str();
   cmd->add_option("--block-size", flags.block_size, "Tokens per KV cache block (multiple of 16)")
       ->transform(decimal_integer<int64_t>())
       ->capture_default_str();

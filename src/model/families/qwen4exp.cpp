@@ -127,7 +127,8 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     const std::string p = cat(root, "layers.", i, ".");
     if (q.has_ple(i)) {
       E4KV_ASSIGN_OR_RETURN(PleBlock ple,
-                            PleBlock::load(ckpt, weights, p + "ple.", ps, q, vocab, ple_index++));
+                            PleBlock::load(ckpt, weights, p + "ple.", ps, q, vocab, ple_index++,
+                                           options.ple_dtype, options.ple_cache.get()));
       layer.ple.emplace(std::move(ple));
     }
     E4KV_ASSIGN_OR_RETURN(layer.attn_hc,
@@ -292,11 +293,70 @@ ModelMemory Qwen4ExpModel::memory() const {
   return memory;
 }
 
+namespace {
+
+// "1.50 GiB", "12.00 MiB", "3.00 KiB", "20 bytes".
+std::string host_bytes_text(int64_t bytes) {
+  char buf[64];
+  const double b = double(bytes);
+  if (bytes >= int64_t(1) << 30) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / double(int64_t(1) << 30));
+  } else if (bytes >= int64_t(1) << 20) {
+    std::snprintf(buf, sizeof(buf), "%.2f MiB", b / double(int64_t(1) << 20));
+  } else if (bytes >= int64_t(1) << 10) {
+    std::snprintf(buf, sizeof(buf), "%.2f KiB", b / 1024.0);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(bytes));
+  }
+  return buf;
+}
+
+}  // namespace
+
 std::vector<std::string> Qwen4ExpModel::load_notes() const {
-  if (skipped_tensors_ == 0) return {};
-  return {cat("skipped ", skipped_tensors_,
-              " checkpoint tensors of the vision tower and multi-token-prediction head (the text "
-              "model runs alone)")};
+  std::vector<std::string> notes;
+  if (skipped_tensors_ > 0) {
+    notes.push_back(cat("skipped ", skipped_tensors_,
+                        " checkpoint tensors of the vision tower and multi-token-prediction head "
+                        "(the text model runs alone)"));
+  }
+  const PleTablesSummary ple = ple_tables();
+  if (!ple.layers.empty()) {
+    int64_t rows = 0;
+    for (const PleTablesSummary::Layer& l : ple.layers) rows += l.n_rows;
+    const std::string tables =
+        cat("PLE n-gram tables: ", ple.layers.size(), " layer", ple.layers.size() == 1 ? "" : "s",
+            ", ", rows, " rows x ", ple.dim, " values");
+    if (ple.dtype == PleDtype::kE4m3) {
+      char rel_l2[32];
+      std::snprintf(rel_l2, sizeof(rel_l2), "%.4g", ple.error().rel_l2());
+      notes.push_back(cat(tables, " in host memory as fp8_e4m3 with an FP32 scale per row, ",
+                          host_bytes_text(ple.host_bytes), " (", ple.host_bytes,
+                          " bytes; the checkpoint's ", dtype_name(ple.checkpoint_dtype), ": ",
+                          host_bytes_text(ple.checkpoint_bytes),
+                          "); relative L2 error of the decoded rows ", rel_l2));
+    } else {
+      notes.push_back(cat(tables, " read in place from the memory-mapped checkpoint (",
+                          dtype_name(ple.checkpoint_dtype), ", ",
+                          host_bytes_text(ple.checkpoint_bytes), " of host page cache)"));
+    }
+  }
+  return notes;
+}
+
+PleTablesSummary Qwen4ExpModel::ple_tables() const {
+  PleTablesSummary summary;
+  summary.dtype = core_.options.ple_dtype;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].ple) continue;
+    const PleTable& table = layers_[i].ple->table();
+    summary.checkpoint_dtype = table.dtype();
+    summary.dim = table.dim();
+    summary.checkpoint_bytes += table.checkpoint_bytes();
+    summary.host_bytes += table.owned_bytes();
+    summary.layers.push_back({int64_t(i), table.n_rows(), table.e4m3_error()});
+  }
+  return summary;
 }
 
 Result<int32_t> Qwen4ExpModel::allocate_sequence() {

@@ -40,7 +40,7 @@ class Qwen4ExpModel final : public CoreModel {
  public:
   // Checks the config and every tensor (presence, dtype, shape; an unexpected tensor is an error;
   // vision-tower and multi-token-prediction tensors are skipped and counted), runs the K/V scale
-  // gate for an E4M3 cache (QSA layers only), uploads the weights, maps the PLE tables, and
+  // gate for an E4M3 cache (QSA layers only), uploads the weights, maps the PLE tables (or converts them to E4M3, options.ple_dtype), and
   // allocates caches, state pools (limits().max_seqs slots) and workspaces.
   static Result<std::unique_ptr<Qwen4ExpModel>> load(const Checkpoint& ckpt, Backend& backend,
                                                      const ModelOptions& options);
@@ -63,6 +63,7 @@ class Qwen4ExpModel final : public CoreModel {
   // Tensors of the checkpoint the text model does not run (vision tower, MTP head), skipped.
   int64_t skipped_tensors() const { return skipped_tensors_; }
   std::vector<std::string> load_notes() const override;
+  PleTablesSummary ple_tables() const override;
   std::string input_token_problem(int32_t id) const override;
 
   KvCacheView kv_cache(int64_t layer) const override {

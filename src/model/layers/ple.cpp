@@ -54,7 +54,8 @@ Status PleState::copy(Backend& backend, const PleShape& shape, int32_t src, int3
 
 Result<PleBlock> PleBlock::load(const Checkpoint& ckpt, WeightLoader& weights, const std::string& p,
                                 const PleShape& shape, const Qwen4ExpConfig& config,
-                                int64_t vocab_size, int64_t ple_index) {
+                                int64_t vocab_size, int64_t ple_index, PleDtype ple_dtype,
+                                PleE4m3Cache* cache) {
   PleBlock block;
   block.shape_ = shape;
   block.eos_ = *config.eos_token_id;
@@ -71,6 +72,7 @@ Result<PleBlock> PleBlock::load(const Checkpoint& ckpt, WeightLoader& weights, c
   E4KV_ASSIGN_OR_RETURN(block.table_,
                         PleTable::open(ckpt, emb, block.hash_.n_rows, shape.embed_dim / n_heads));
   for (const std::string& name : block.table_.used_names()) weights.mark_used(name);
+  if (ple_dtype == PleDtype::kE4m3) E4KV_RETURN_IF_ERROR(block.table_.to_e4m3(ckpt, emb, cache));
   const int64_t w = shape.width();
   const int64_t d = shape.embed_dim;
   E4KV_ASSIGN_OR_RETURN(block.key_, weights.load(p + "key_proj.weight", {w, d},

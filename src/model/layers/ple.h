@@ -4,7 +4,8 @@
 //   kn   = grouped (1+w) rms(emb Wkey^T); val = emb Wval^T; qn = grouped (1+w) rms(X)
 //   gv_s = sigmoid(signed sqrt(kn_s . qn_s / sqrt(H))) * val
 //   X   += gv + silu(dilated causal conv(grouped (1+w) rms(gv)))
-// The n-gram table (about 48 GiB in the real model) stays in the memory-mapped checkpoint: the
+// The n-gram table (about 48 GiB in the real model) stays in the memory-mapped checkpoint, or with
+// --ple-dtype fp8_e4m3 becomes an E4M3 copy with a scale per row (model/ple_ngram.h): the
 // host half of a forward (PleBlock::prepare, before the first launch) hashes the step's tokens and
 // gathers the rows of every PLE layer into one staging block uploaded once; the layer's device
 // half (PleBlock::forward) only reads device buffers. Per-sequence state: the last
@@ -83,10 +84,13 @@ struct PleState {
 
 class PleBlock {
  public:
-  // prefix: "model.layers.0.ple."; ple_index: the layer's position in ple_layer_ids.
+  // prefix: "model.layers.0.ple."; ple_index: the layer's position in ple_layer_ids. ple_dtype
+  // kE4m3: the table is converted (PleTable::to_e4m3, through `cache` when given).
   static Result<PleBlock> load(const Checkpoint& ckpt, WeightLoader& weights,
                                const std::string& prefix, const PleShape& shape,
-                               const Qwen4ExpConfig& config, int64_t vocab_size, int64_t ple_index);
+                               const Qwen4ExpConfig& config, int64_t vocab_size, int64_t ple_index,
+                               PleDtype ple_dtype = PleDtype::kAuto,
+                               PleE4m3Cache* cache = nullptr);
   Result<PleState> create_state(Backend& backend, int64_t n_slots) const;
 
   // The host half for one step: the n-gram ids of the tokens of each sequence (rows
