@@ -108,13 +108,21 @@ Result<WeightMemory> weight_memory(const std::filesystem::path& dir) {
       }
       continue;
     }
-    // Host values: the PLE hash buffers, K/V scales, NVFP4 global scales.
+    // Host values: the PLE hash buffers, K/V scales, NVFP4 activation scales (weight-only).
     if (contains(n, ".ple_embedding.") || n.ends_with("k_scale") || n.ends_with("v_scale") ||
-        n.ends_with("_global_scale")) {
+        n.ends_with(".input_global_scale")) {
       continue;
     }
     int64_t bytes = stored;
-    if (n.ends_with(".qzeros")) {
+    if (n.ends_with(".weight_global_scale")) {
+      // One FP32 per output row on the device (quant/linear_weight.h: per row, so that tensors of
+      // different global scales stack).
+      const std::string packed =
+          name.substr(0, name.size() - std::string_view("weight_global_scale").size()) +
+          "weight_packed";
+      const SafetensorsTensor* w = ckpt.find(packed);
+      bytes = w != nullptr && !w->shape.empty() ? w->shape[0] * 4 : 0;
+    } else if (n.ends_with(".qzeros")) {
       bytes = t.numel() * 8;  // eight 4-bit zeros per I32, one byte each
     } else if (n.ends_with(".weight_scale_inv")) {
       const std::string weight = name.substr(0, name.size() - std::string_view("_scale_inv").size());

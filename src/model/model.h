@@ -26,6 +26,7 @@
 #include "kv/block_allocator.h"
 #include "kv/scale_gate.h"
 #include "model/ple_ngram.h"
+#include "model/tp_shard.h"
 
 namespace e4kv {
 
@@ -47,6 +48,9 @@ struct ModelOptions {
   // PLE. ple_cache (optional) shares the E4M3 tables among models of one checkpoint.
   PleDtype ple_dtype = PleDtype::kAuto;
   std::shared_ptr<PleE4m3Cache> ple_cache;
+  // This model's share under tensor parallelism (model/tensor_parallel.h loads one per rank);
+  // the default is the whole model.
+  TpShard tp;
 };
 
 // The PLE n-gram tables a model holds (Qwen4Exp), for the load line and `e4kv compare`.

@@ -124,7 +124,7 @@ TEST(WeightMemory, AwqCountsPackedWeightsScalesAndWidenedZeros) {
   EXPECT_EQ(m->tensors[size_t(WeightKind::kAttention)], 12);
 }
 
-TEST(WeightMemory, Nvfp4CountsPackedWeightsAndE4m3ScalesNotGlobalScales) {
+TEST(WeightMemory, Nvfp4CountsPackedWeightsE4m3ScalesAndOneGlobalPerRow) {
   TempDir tmp;
   std::vector<Tensor> t;
   int64_t embeddings = 0, other = 0, attention = 0, mlp = 0;
@@ -135,10 +135,13 @@ TEST(WeightMemory, Nvfp4CountsPackedWeightsAndE4m3ScalesNotGlobalScales) {
     t.push_back(tensor(p + ".weight_scale", DType::kF8E4M3, {l.out, l.in / 16}));
     t.push_back(tensor(p + ".weight_global_scale", DType::kF32, {1}));
     t.push_back(tensor(p + ".input_global_scale", DType::kF32, {1}));
-    (l.attention ? attention : mlp) += l.out * l.in / 2 + l.out * l.in / 16;
+    // The global scale is held once per output row (quant/linear_weight.h); the activations'
+    // is not used (weight-only).
+    (l.attention ? attention : mlp) += l.out * l.in / 2 + l.out * l.in / 16 + l.out * 4;
   }
   write_checkpoint(tmp.path(), llama_config(R"({"quant_method": "compressed-tensors",
-                     "format": "nvfp4-pack-quantized"})"),
+                     "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {"weights":
+                     {"num_bits": 4, "type": "float", "group_size": 16}}}})"),
                    t);
   Result<WeightMemory> m = weight_memory(tmp.path());
   ASSERT_TRUE(m.ok()) << m.message();
@@ -170,7 +173,8 @@ TEST(WeightMemory, Fp8BlockExpandsItsScalesToOneRowPerOutputRow) {
 
   // Block scales without their weight.
   TempDir bad;
-  write_checkpoint(bad.path(), llama_config("{\"quant_method\": \"fp8\"}"),
+  write_checkpoint(bad.path(),
+                   llama_config(R"({"quant_method": "fp8", "weight_block_size": [128, 128]})"),
                    {tensor("model.layers.0.mlp.up_proj.weight_scale_inv", DType::kF32, {1, 1})});
   Result<WeightMemory> e = weight_memory(bad.path());
   ASSERT_FALSE(e.ok());
