@@ -5,9 +5,11 @@
 #include <filesystem>
 #include <cstdio>
 #include <limits>
+#include <thread>
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/checked.h"
+#include "model/tensor_parallel.h"
 #include "kv/block_allocator.h"
 #include "kv/capacity.h"
 #include "kv/scale_gate.h"
@@ -41,6 +43,16 @@ Status validate_model_setup(const ModelSetup& setup) {
   if (setup.threads < 0 || setup.threads > kMaxThreads) {
     return Status::error(cat(name("threads"), ": expected 0 (one per hardware thread) to ",
                              kMaxThreads, ", got ", setup.threads));
+  }
+  if (setup.tensor_parallel_size < 1 || setup.tensor_parallel_size > kMaxTensorParallelSize) {
+    return Status::error(cat(name("tensor_parallel_size"), ": expected 1 to ",
+                             kMaxTensorParallelSize, " ranks, got ", setup.tensor_parallel_size));
+  }
+  if (setup.tensor_parallel_size > 1 && setup.device != "cpu") {
+    return Status::error(cat(name("tensor_parallel_size"), ": ", setup.tensor_parallel_size,
+                             " ranks on ", setup.device,
+                             ": tensor parallelism runs on the CPU backend (ranks as threads) in "
+                             "this build; GPU ranks need the NCCL communicator, not built yet"));
   }
   if (setup.max_seqs < 0 || setup.max_seqs > kMaxTokenCount) {
     return Status::error(cat(name("max_seqs"), ": expected 0 (the model's default) to ",
@@ -249,7 +261,10 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   LoadedModel loaded;
   E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(setup.model_dir));
   loaded.checkpoint = std::make_unique<Checkpoint>(std::move(ckpt));
-  E4KV_ASSIGN_OR_RETURN(loaded.backend, make_backend(setup));
+  const int tp_size = setup.tensor_parallel_size;
+  if (tp_size == 1) {
+    E4KV_ASSIGN_OR_RETURN(loaded.backend, make_backend(setup));
+  }
   const ModelConfig& config = loaded.checkpoint->config();
   const std::string config_path =
       (std::filesystem::path(setup.model_dir) / "config.json").string();
@@ -275,7 +290,13 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   sizing.n_blocks = 1;
   E4KV_ASSIGN_OR_RETURN(const ModelLimits limits,
                         model_limits(sizing, config.max_position_embeddings, config_path));
-  Result<KvCacheLayout> layout = kv_cache_layout(config, setup.block_size);
+  // Under tensor parallelism each rank's pool holds its share of the key/value heads: a pool
+  // option sizes each rank's pool.
+  ModelConfig rank_config = config;
+  if (tp_size > 1 && config.n_kv_heads > 0) {
+    rank_config.n_kv_heads = config.n_kv_heads >= tp_size ? config.n_kv_heads / tp_size : 1;
+  }
+  Result<KvCacheLayout> layout = kv_cache_layout(rank_config, setup.block_size);
   if (!layout.ok()) return Status::error(cat(config_path, ": ", layout.message()));
 
   std::string pool_flag;
@@ -308,8 +329,25 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
     E4KV_RETURN_IF_ERROR(check_pool_holds_max_model_len(options.n_blocks, setup.block_size,
                                                         limits.max_model_len, pool_flag));
   }
-  E4KV_ASSIGN_OR_RETURN(loaded.model,
-                        e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
+  if (tp_size == 1) {
+    E4KV_ASSIGN_OR_RETURN(loaded.model,
+                          e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
+  } else {
+    // One CPU backend per rank, the threads shared among them.
+    std::vector<std::unique_ptr<Backend>> backends;
+    ModelSetup rank_setup = setup;
+    const int threads = setup.threads > 0 ? setup.threads
+                                          : int(std::max(1u, std::thread::hardware_concurrency()));
+    rank_setup.threads = std::max(1, threads / tp_size);
+    for (int r = 0; r < tp_size; ++r) {
+      E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(rank_setup));
+      backends.push_back(std::move(backend));
+    }
+    E4KV_ASSIGN_OR_RETURN(
+        std::unique_ptr<TensorParallelModel> tp,
+        TensorParallelModel::load(*loaded.checkpoint, std::move(backends), options));
+    loaded.model = std::move(tp);
+  }
   loaded.notes = loaded.model->load_notes();
   if (*ple_dtype == PleDtype::kE4m3 && loaded.model->ple_tables().layers.empty()) {
     loaded.notes.push_back(cat(name_of(setup, "ple_dtype"),

@@ -32,6 +32,8 @@ inline constexpr int64_t kMaxPoolBytes = int64_t(1) << 50;
 inline constexpr int64_t kMaxPoolBlocks = std::numeric_limits<int32_t>::max();
 // The most CPU threads `threads` takes (0 is one per hardware thread).
 inline constexpr int64_t kMaxThreads = 4096;
+// The most ranks tensor_parallel_size takes.
+inline constexpr int kMaxTensorParallelSize = 64;
 
 struct ModelSetup {
   std::string model_dir;
@@ -45,6 +47,10 @@ struct ModelSetup {
   int64_t block_size = 64;
   int64_t max_model_len = 0;  // 0: config.json's max_position_embeddings
   int threads = 0;            // CPU backend threads; 0: one per hardware thread
+  // Ranks of tensor parallelism (model/tensor_parallel.h): each holds its share of the heads and
+  // channels; a pool option then sizes each rank's pool. CPU ranks (threads) today; the GPU ranks
+  // need the NCCL communicator, not built yet.
+  int tensor_parallel_size = 1;
   // The KV pool's size, at most one of them; none: a pool for the run's tokens (load_model).
   std::optional<int64_t> kv_cache_memory_bytes;    // the pool (blocks and states) takes this
   std::optional<int64_t> num_gpu_blocks_override;  // exactly this many blocks
@@ -61,6 +67,8 @@ struct ModelSetup {
 Status validate_model_setup(const ModelSetup& setup);
 
 struct LoadedModel {
+  // The model's backend (rank 0's under tensor parallelism: model->backend(); then this is null,
+  // the model owns its ranks' backends).
   std::unique_ptr<Backend> backend;
   std::unique_ptr<Checkpoint> checkpoint;
   std::unique_ptr<Model> model;

@@ -80,6 +80,22 @@ Result<BackendBuffer> WeightLoader::load_concat(const std::vector<std::string>& 
   return upload_host(names[0], dtype, std::move(shape), std::move(bytes));
 }
 
+Result<BackendBuffer> WeightLoader::load_rows(const std::string& name,
+                                              const std::vector<int64_t>& shape,
+                                              std::string_view meaning, int64_t begin,
+                                              int64_t count) {
+  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
+  E4KV_ASSERT(!shape.empty() && begin >= 0 && count > 0 && begin + count <= shape[0],
+              "load_rows: rows out of range");
+  if (begin == 0 && count == shape[0]) return load(name, shape, meaning);
+  const size_t row_bytes = tensor->bytes.size() / size_t(shape[0]);
+  std::vector<std::byte> bytes(tensor->bytes.begin() + long(size_t(begin) * row_bytes),
+                               tensor->bytes.begin() + long(size_t(begin + count) * row_bytes));
+  std::vector<int64_t> part = shape;
+  part[0] = count;
+  return upload_host(name, tensor->dtype, std::move(part), std::move(bytes));
+}
+
 Result<BackendBuffer> WeightLoader::load_row_blocks(const std::string& name,
                                                     const std::vector<int64_t>& shape,
                                                     std::string_view meaning, int64_t block_rows,

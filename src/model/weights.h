@@ -47,6 +47,10 @@ class WeightLoader {
   Result<BackendBuffer> load_row_blocks(const std::string& name, const std::vector<int64_t>& shape,
                                         std::string_view meaning, int64_t block_rows,
                                         const std::vector<int64_t>& order);
+  // Rows [begin, begin + count) of the tensor `name` of `shape` (its first dimension), uploaded:
+  // a rank's share of a bias or a per-head parameter. count == shape[0]: the whole tensor.
+  Result<BackendBuffer> load_rows(const std::string& name, const std::vector<int64_t>& shape,
+                                  std::string_view meaning, int64_t begin, int64_t count);
   // The tensor's checkpoint entry, checked for presence and shape, counted as used, not uploaded
   // (tensors a layer reads on the host, such as the PLE tables and their int64 buffers).
   Result<const SafetensorsTensor*> find(const std::string& name, const std::vector<int64_t>& shape,

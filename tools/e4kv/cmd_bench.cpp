@@ -539,8 +539,8 @@ Status run_bench(const BenchArgs& args) {
     E4KV_ASSIGN_OR_RETURN(LoadedModel loaded, load_model(flags, longest, 0, widest));
     Model& model = *loaded.model;
     if (report.device.empty()) {
-      report.device = loaded.backend->name();
-      if (Result<DeviceMemoryInfo> info = loaded.backend->device_memory(); info.ok()) {
+      report.device = loaded.model->backend().name();
+      if (Result<DeviceMemoryInfo> info = loaded.model->backend().device_memory(); info.ok()) {
         report.device += cat(" (", info->device_name, ")");
       } else if (flags.device == "cpu") {
         report.device += flags.threads > 0

@@ -46,6 +46,11 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
   cmd->add_option("--threads", flags.threads, "CPU threads (0: all)")
       ->transform(decimal_integer<int>(0, int(kMaxThreads)))
       ->capture_default_str();
+  cmd->add_option("--tensor-parallel-size", flags.tensor_parallel_size,
+                  "Ranks of tensor parallelism, each holding its share of the heads and channels "
+                  "(and of the KV pool); CPU ranks in this build")
+      ->transform(decimal_integer<int>(1, kMaxTensorParallelSize))
+      ->capture_default_str();
 }
 
 void add_pool_flags(CLI::App* cmd, ModelFlags& flags) {

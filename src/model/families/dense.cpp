@@ -179,11 +179,12 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
     E4KV_ASSIGN_OR_RETURN(BackendBuffer input_norm,
                           weights.load(p + "input_layernorm.weight", {hidden}, "[hidden_size]"));
     E4KV_ASSIGN_OR_RETURN(AttentionMixer mixer,
-                          AttentionMixer::load(weights, p + "self_attn.", attention));
+                          AttentionMixer::load(weights, p + "self_attn.", attention, options.tp));
     E4KV_ASSIGN_OR_RETURN(BackendBuffer post_norm, weights.load(p + "post_attention_layernorm.weight",
                                                                 {hidden}, "[hidden_size]"));
     E4KV_ASSIGN_OR_RETURN(DenseMlp mlp,
-                          DenseMlp::load(weights, p + "mlp.", hidden, config.intermediate_size));
+                          DenseMlp::load(weights, p + "mlp.", hidden, config.intermediate_size,
+                                         "intermediate_size", options.tp));
     model->layers_.push_back(
         Layer{std::move(input_norm), std::move(mixer), std::move(post_norm), std::move(mlp)});
   }
@@ -203,6 +204,16 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   }
   // Anything else in the checkpoint is a part of the model this runtime would silently skip.
   E4KV_RETURN_IF_ERROR(weights.check_all_used());
+  // Under tensor parallelism the rank holds a share of the heads and channels: its cache, memory
+  // and workspaces are sized by its share from here on.
+  if (options.tp.split()) {
+    AttentionShape local;
+    E4KV_RETURN_IF_ERROR(attention.shard(options.tp, local).status());
+    attention = local;
+    core.config.n_heads = local.n_heads;
+    core.config.n_kv_heads = local.n_kv_heads;
+    core.config.intermediate_size = options.tp.count(config.intermediate_size);
+  }
 
   // ---- KV cache: one buffer per layer ----
   const KvCacheGeometry geometry = model->cache_view(0).geometry;
@@ -236,15 +247,15 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   E4KV_ASSIGN_OR_RETURN(ws.attention,
                         AttentionWorkspace::create(backend, attention.q_dim(), attention.kv_dim(),
                                                    limits.max_batch_tokens));
-  E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, config.intermediate_size,
+  E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, core.config.intermediate_size,
                                                      limits.max_batch_tokens));
   // Every layer attends with one shape: its launches are planned once per step.
   AttentionLayerShape shape;
   shape.head_dim = geometry.head_dim;
   shape.block_size = geometry.block_size;
   shape.dtype = geometry.dtype;
-  shape.n_heads = config.n_heads;
-  shape.n_kv_heads = config.n_kv_heads;
+  shape.n_heads = attention.n_heads;
+  shape.n_kv_heads = attention.n_kv_heads;
   E4KV_RETURN_IF_ERROR(backend.reserve_attention(std::span(&shape, 1), limits.max_batch_tokens,
                                                  limits.max_seq_tokens));
   return model;
@@ -302,11 +313,13 @@ Status DenseModel::run_layers(const ForwardBatch& batch) {
                                                  core_.kv_stats.sink(int64_t(l), batch.purpose)));
     probe_attention_output(b, batch.probe, int64_t(l), ws.attention.attn.as<float>(), n,
                            layer.attention.shape().q_dim());
+    E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
     core_.mark("mlp");
     E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,
                                     RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
+    E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
     E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
   }
   return ok_status();

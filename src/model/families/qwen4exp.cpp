@@ -62,6 +62,11 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
             " (", config_path, "): compressed index rows are paged with the main blocks"));
   }
 
+  if (options.tp.split()) {
+    return Status::error(cat(config_path, ": tensor parallelism is not built for the Qwen4Exp "
+                                          "family yet (the dense families run it); use a tensor "
+                                          "parallel size of 1"));
+  }
   std::unique_ptr<Qwen4ExpModel> model(new Qwen4ExpModel());
   Qwen4ExpModel& m = *model;
   ModelCore& core = m.core_;

@@ -63,31 +63,70 @@ Status project_attention_output(Backend& b, int64_t n, int64_t q_dim, int64_t hi
   return b.linear(attn_in, o, o_bias, n, out, act);
 }
 
+Result<AttentionShape::Share> AttentionShape::shard(const TpShard& tp,
+                                                    AttentionShape& local) const {
+  local = *this;
+  Share share;
+  if (!tp.split()) return share;
+  if (n_heads % tp.size != 0 || (n_kv_heads % tp.size != 0 && tp.size % n_kv_heads != 0)) {
+    return Status::error(cat("tensor parallel size ", tp.size, " does not split ", n_heads,
+                             " attention heads and ", n_kv_heads,
+                             " key/value heads evenly; choose a size that divides the heads"));
+  }
+  local.n_heads = n_heads / tp.size;
+  share.q_head_begin = tp.begin(n_heads);
+  if (n_kv_heads >= tp.size) {
+    local.n_kv_heads = n_kv_heads / tp.size;
+    share.kv_head_begin = tp.begin(n_kv_heads);
+  } else {
+    local.n_kv_heads = 1;
+    share.kv_head_begin = share.q_head_begin / (n_heads / n_kv_heads);
+  }
+  local.o_bias = o_bias && tp.rank == 0;
+  return share;
+}
+
 Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::string& p,
-                                            const AttentionShape& shape) {
+                                            const AttentionShape& shape, const TpShard& tp) {
   AttentionMixer m;
-  m.shape_ = shape;
+  E4KV_ASSIGN_OR_RETURN(const AttentionShape::Share share, shape.shard(tp, m.shape_));
+  const AttentionShape& local = m.shape_;
   const int64_t hidden = shape.hidden;
   const int64_t q_dim = shape.q_dim();
   const int64_t kv_dim = shape.kv_dim();
+  const int64_t d = shape.head_dim;
+  // This rank's rows of q and of k/v, and its columns of o.
+  const LinearSlice q_rows{LinearSlice::Dim::kRows, share.q_head_begin * d, local.q_dim()};
+  const LinearSlice kv_rows{LinearSlice::Dim::kRows, share.kv_head_begin * d, local.kv_dim()};
+  const LinearSlice o_cols{LinearSlice::Dim::kColumns, share.q_head_begin * d, local.q_dim()};
+  const bool split = tp.split();
   E4KV_ASSIGN_OR_RETURN(m.q_, weights.load_linear(p + "q_proj", q_dim, hidden,
-                                           "[num_attention_heads * head_dim, hidden_size]"));
+                                                  "[num_attention_heads * head_dim, hidden_size]",
+                                                  split ? q_rows : LinearSlice{}));
   E4KV_ASSIGN_OR_RETURN(m.k_, weights.load_linear(p + "k_proj", kv_dim, hidden,
-                                           "[num_key_value_heads * head_dim, hidden_size]"));
+                                                  "[num_key_value_heads * head_dim, hidden_size]",
+                                                  split ? kv_rows : LinearSlice{}));
   E4KV_ASSIGN_OR_RETURN(m.v_, weights.load_linear(p + "v_proj", kv_dim, hidden,
-                                           "[num_key_value_heads * head_dim, hidden_size]"));
+                                                  "[num_key_value_heads * head_dim, hidden_size]",
+                                                  split ? kv_rows : LinearSlice{}));
   E4KV_ASSIGN_OR_RETURN(m.o_, weights.load_linear(p + "o_proj", hidden, q_dim,
-                                           "[hidden_size, num_attention_heads * head_dim]"));
+                                                  "[hidden_size, num_attention_heads * head_dim]",
+                                                  split ? o_cols : LinearSlice{}));
   if (shape.qkv_bias) {
-    E4KV_ASSIGN_OR_RETURN(
-        m.q_bias_, weights.load(p + "q_proj.bias", {q_dim}, "[num_attention_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(
-        m.k_bias_, weights.load(p + "k_proj.bias", {kv_dim}, "[num_key_value_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(
-        m.v_bias_, weights.load(p + "v_proj.bias", {kv_dim}, "[num_key_value_heads * head_dim]"));
+    E4KV_ASSIGN_OR_RETURN(m.q_bias_, weights.load_rows(p + "q_proj.bias", {q_dim},
+                                                       "[num_attention_heads * head_dim]",
+                                                       q_rows.begin, q_rows.count));
+    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load_rows(p + "k_proj.bias", {kv_dim},
+                                                       "[num_key_value_heads * head_dim]",
+                                                       kv_rows.begin, kv_rows.count));
+    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load_rows(p + "v_proj.bias", {kv_dim},
+                                                       "[num_key_value_heads * head_dim]",
+                                                       kv_rows.begin, kv_rows.count));
   }
-  if (shape.o_bias) {
+  if (local.o_bias) {
     E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {hidden}, "[hidden_size]"));
+  } else if (shape.o_bias) {
+    weights.mark_used(p + "o_proj.bias");  // rank 0 adds it to the sum
   }
   if (shape.qk_norm) {
     E4KV_ASSIGN_OR_RETURN(m.q_norm_,

@@ -18,6 +18,7 @@
 #include "core/status.h"
 #include "kv/kv_cache_view.h"
 #include "model/step_context.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -36,6 +37,15 @@ struct AttentionShape {
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
+
+  // Tensor parallelism: rank r of N takes the r-th N-th of the query heads and the key/value
+  // heads they read: its N-th of those when there are at least N, else the one its query heads
+  // share (replicated, as vLLM does). Errors: heads that do not split so.
+  struct Share {
+    int64_t q_head_begin = 0;
+    int64_t kv_head_begin = 0;
+  };
+  Result<Share> shard(const TpShard& tp, AttentionShape& local) const;
 };
 
 // Activations of the attention mixers of one model, shared by its layers, sized at load.
@@ -76,8 +86,10 @@ Status project_attention_output(Backend& backend, int64_t n_rows, int64_t q_dim,
 class AttentionMixer {
  public:
   // prefix: the module's weight names up to the projection ("model.layers.3.self_attn.").
+  // shape: the whole layer's; tp: this rank's share (AttentionShape::shard), whose output
+  // projection leaves a partial sum (the bias added by rank 0 only).
   static Result<AttentionMixer> load(WeightLoader& weights, const std::string& prefix,
-                                     const AttentionShape& shape);
+                                     const AttentionShape& shape, const TpShard& tp = {});
 
   // out = the mixer of x for every row of the step. x, out: [ctx.n_rows(), hidden] act;
   // non_finite: the cache write's [2] counters; stats: nullptr or the cache write's statistics.

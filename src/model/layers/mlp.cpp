@@ -14,18 +14,29 @@ Result<MlpWorkspace> MlpWorkspace::create(Backend& backend, int64_t intermediate
 }
 
 Result<DenseMlp> DenseMlp::load(WeightLoader& weights, const std::string& p, int64_t hidden,
-                                int64_t intermediate, std::string_view intermediate_name) {
+                                int64_t intermediate, std::string_view intermediate_name,
+                                const TpShard& tp) {
+  if (intermediate % tp.size != 0) {
+    return Status::error(cat("tensor parallel size ", tp.size, " does not split ",
+                             intermediate_name, " ", intermediate,
+                             " evenly; choose a size that divides it"));
+  }
   DenseMlp m;
   m.hidden_ = hidden;
-  m.intermediate_ = intermediate;
+  m.intermediate_ = tp.count(intermediate);
   const std::string in_shape = cat("[", intermediate_name, ", hidden_size]");
   const std::string out_shape = cat("[hidden_size, ", intermediate_name, "]");
+  LinearSlice rows, cols;
+  if (tp.split()) {
+    rows = {LinearSlice::Dim::kRows, tp.begin(intermediate), m.intermediate_};
+    cols = {LinearSlice::Dim::kColumns, tp.begin(intermediate), m.intermediate_};
+  }
   E4KV_ASSIGN_OR_RETURN(m.gate_,
-                        weights.load_linear(p + "gate_proj", intermediate, hidden, in_shape));
+                        weights.load_linear(p + "gate_proj", intermediate, hidden, in_shape, rows));
   E4KV_ASSIGN_OR_RETURN(m.up_,
-                        weights.load_linear(p + "up_proj", intermediate, hidden, in_shape));
+                        weights.load_linear(p + "up_proj", intermediate, hidden, in_shape, rows));
   E4KV_ASSIGN_OR_RETURN(m.down_,
-                        weights.load_linear(p + "down_proj", hidden, intermediate, out_shape));
+                        weights.load_linear(p + "down_proj", hidden, intermediate, out_shape, cols));
   return m;
 }
 

@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -23,9 +24,13 @@ class DenseMlp {
  public:
   // prefix: the module's weight names ("model.layers.3.mlp."); intermediate_name: the config
   // field of `intermediate`, for the errors' shapes.
+  // tp: this rank's share of the intermediate channels (gate/up rows, down columns); its output
+  // is then a partial sum.
   static Result<DenseMlp> load(WeightLoader& weights, const std::string& prefix, int64_t hidden,
                                int64_t intermediate,
-                               std::string_view intermediate_name = "intermediate_size");
+                               std::string_view intermediate_name = "intermediate_size",
+                               const TpShard& tp = {});
+  int64_t intermediate() const { return intermediate_; }
 
   // x, out: [n_rows, hidden] act.
   Status forward(Backend& backend, int64_t n_rows, const void* x, void* out,
