@@ -134,6 +134,10 @@ Status Backend::moe_experts(const void* x, const LinearView& gate_up, const Line
   return moe_experts_quantized(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows,
                                top_k, out);
 }
+Status Backend::moe_local_ids(int32_t*, int64_t, int64_t, int64_t, int64_t) {
+  return Status::error(cat(name(), ": expert parallelism (moe_local_ids) does not run on this "
+                                   "backend yet"));
+}
 Status Backend::moe_experts_quantized(const void*, const LinearView& gate_up, const LinearView&,
                                       int64_t, int64_t, int64_t, const int32_t*, const float*,
                                       int64_t, int64_t, void*) {

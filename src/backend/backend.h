@@ -410,12 +410,18 @@ class Backend {
   // weights: [n_rows, top_k] fp32
   virtual Status moe_route(const float* logits, int64_t n_rows, int64_t n_experts, int64_t top_k,
                            bool norm_topk_prob, int32_t* ids, float* weights);
-  // Routed experts: out[r] = sum_j weights[r, j] * down_e(silu(gate_e x) * up_e x).
+  // Routed experts: out[r] = sum_j weights[r, j] * down_e(silu(gate_e x) * up_e x); an id of -1
+  // contributes nothing (moe_local_ids).
   // x: [n_rows, hidden] act; gate_up: [n_experts, 2 * inter, hidden] act (gate rows first);
   // down: [n_experts, hidden, inter] act; out: [n_rows, hidden] act (overwritten)
   virtual Status moe_experts(const void* x, const void* gate_up, const void* down,
                              int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
                              const float* weights, int64_t n_rows, int64_t top_k, void* out);
+  // Expert parallelism: ids [n_rows, top_k] of the whole model's experts become ids of this
+  // rank's experts [begin, begin + count) (id - begin), and -1 for the others, which moe_experts
+  // then skips (their terms come from the other ranks).
+  virtual Status moe_local_ids(int32_t* ids, int64_t n_rows, int64_t top_k, int64_t begin,
+                               int64_t count);
   // The same for typed expert weights: gate_up is [n_experts * 2 * inter, hidden] and down
   // [n_experts * hidden, inter] as LinearViews (expert e's rows follow expert e - 1's); both dense
   // calls moe_experts above, otherwise moe_experts_quantized.

@@ -24,20 +24,14 @@ struct HostPlane {
   bool empty() const { return bytes.empty(); }
   int64_t rows() const { return row_bytes == 0 ? 0 : int64_t(bytes.size()) / row_bytes; }
 
-  void take_rows(int64_t begin, int64_t count) {
+  void take_rows(int64_t begin, int64_t count) { take_row_ranges({{begin, count}}); }
+  // The rows of each range, one range after another.
+  void take_row_ranges(const std::vector<RowRange>& ranges) {
     if (empty()) return;
-    std::vector<std::byte> out(size_t(count * row_bytes));
-    std::copy_n(bytes.begin() + long(begin * row_bytes), out.size(), out.begin());
-    bytes = std::move(out);
-  }
-  // Row blocks: block order[i] (of block_rows rows) becomes block i.
-  void regroup(int64_t block_rows, const std::vector<int64_t>& order) {
-    if (empty()) return;
-    const size_t block_bytes = size_t(block_rows * row_bytes);
-    std::vector<std::byte> out(bytes.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-      std::copy_n(bytes.begin() + long(size_t(order[i]) * block_bytes), block_bytes,
-                  out.begin() + long(i * block_bytes));
+    std::vector<std::byte> out;
+    for (const RowRange& r : ranges) {
+      out.insert(out.end(), bytes.begin() + long(r.begin * row_bytes),
+                 bytes.begin() + long((r.begin + r.count) * row_bytes));
     }
     bytes = std::move(out);
   }
@@ -358,12 +352,28 @@ Result<LinearWeight> WeightLoader::load_linear_row_blocks(const std::string& mod
                                                           int64_t in, std::string_view meaning,
                                                           int64_t block_rows,
                                                           const std::vector<int64_t>& order) {
-  E4KV_ASSERT(block_rows > 0 && out % block_rows == 0 &&
-                  int64_t(order.size()) == out / block_rows,
-              "load_linear_row_blocks: the blocks do not tile the rows");
+  E4KV_ASSERT(block_rows > 0 && out % block_rows == 0, "load_linear_row_blocks: bad blocks");
+  std::vector<RowRange> ranges;
+  for (int64_t block : order) {
+    E4KV_ASSERT(block >= 0 && block < out / block_rows, "load_linear_row_blocks: bad block");
+    ranges.push_back({block * block_rows, block_rows});
+  }
+  return load_linear_row_ranges(module, out, in, meaning, ranges);
+}
+
+Result<LinearWeight> WeightLoader::load_linear_row_ranges(const std::string& module, int64_t out,
+                                                          int64_t in, std::string_view meaning,
+                                                          const std::vector<RowRange>& ranges) {
   E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(module, out, in, meaning));
+  int64_t rows = 0;
+  for (const RowRange& r : ranges) {
+    E4KV_ASSERT(r.begin >= 0 && r.count > 0 && r.begin + r.count <= out,
+                "load_linear_row_ranges: rows out of range");
+    rows += r.count;
+  }
   h.materialize_dense();
-  for (int i = 0; i < 4; ++i) h.planes(i)->regroup(block_rows, order);
+  for (int i = 0; i < 4; ++i) h.planes(i)->take_row_ranges(ranges);
+  h.view.out = rows;
   return upload_linear(module, h);
 }
 

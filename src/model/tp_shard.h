@@ -39,4 +39,32 @@ struct TpShard {
   }
 };
 
+// A rank's attention heads: its N-th of the query heads and the key/value heads they read (its
+// N-th of those when there are at least N, else the one its query heads share: replicated, as
+// vLLM does). Errors: heads that do not split so.
+struct HeadShare {
+  int64_t q_begin = 0;
+  int64_t q_count = 0;
+  int64_t kv_begin = 0;
+  int64_t kv_count = 0;
+};
+inline Result<HeadShare> share_heads(int64_t n_heads, int64_t n_kv_heads, const TpShard& tp) {
+  if (n_heads % tp.size != 0 || (n_kv_heads % tp.size != 0 && tp.size % n_kv_heads != 0)) {
+    return Status::error(cat("tensor parallel size ", tp.size, " does not split ", n_heads,
+                             " attention heads and ", n_kv_heads,
+                             " key/value heads evenly; choose a size that divides the heads"));
+  }
+  HeadShare share;
+  share.q_count = n_heads / tp.size;
+  share.q_begin = tp.begin(n_heads);
+  if (n_kv_heads >= tp.size) {
+    share.kv_count = n_kv_heads / tp.size;
+    share.kv_begin = tp.begin(n_kv_heads);
+  } else {
+    share.kv_count = 1;
+    share.kv_begin = share.q_begin / (n_heads / n_kv_heads);
+  }
+  return share;
+}
+
 }  // namespace e4kv

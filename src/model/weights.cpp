@@ -84,15 +84,29 @@ Result<BackendBuffer> WeightLoader::load_rows(const std::string& name,
                                               const std::vector<int64_t>& shape,
                                               std::string_view meaning, int64_t begin,
                                               int64_t count) {
-  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
-  E4KV_ASSERT(!shape.empty() && begin >= 0 && count > 0 && begin + count <= shape[0],
-              "load_rows: rows out of range");
+  E4KV_ASSERT(!shape.empty(), "load_rows: a scalar has no rows");
   if (begin == 0 && count == shape[0]) return load(name, shape, meaning);
+  return load_row_ranges(name, shape, meaning, {{begin, count}});
+}
+
+Result<BackendBuffer> WeightLoader::load_row_ranges(const std::string& name,
+                                                    const std::vector<int64_t>& shape,
+                                                    std::string_view meaning,
+                                                    const std::vector<RowRange>& ranges) {
+  E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
+  E4KV_ASSERT(!shape.empty() && shape[0] > 0, "load_row_ranges: a tensor without rows");
   const size_t row_bytes = tensor->bytes.size() / size_t(shape[0]);
-  std::vector<std::byte> bytes(tensor->bytes.begin() + long(size_t(begin) * row_bytes),
-                               tensor->bytes.begin() + long(size_t(begin + count) * row_bytes));
+  std::vector<std::byte> bytes;
+  int64_t rows = 0;
+  for (const RowRange& r : ranges) {
+    E4KV_ASSERT(r.begin >= 0 && r.count > 0 && r.begin + r.count <= shape[0],
+                "load_row_ranges: rows out of range");
+    bytes.insert(bytes.end(), tensor->bytes.begin() + long(size_t(r.begin) * row_bytes),
+                 tensor->bytes.begin() + long(size_t(r.begin + r.count) * row_bytes));
+    rows += r.count;
+  }
   std::vector<int64_t> part = shape;
-  part[0] = count;
+  part[0] = rows;
   return upload_host(name, tensor->dtype, std::move(part), std::move(bytes));
 }
 

@@ -20,6 +20,12 @@ namespace e4kv {
 
 // A part of a linear weight to load: output rows, or input columns at whole groups of the
 // format's scales (tensor parallelism's column- and row-parallel shares).
+// Rows [begin, begin + count) of a tensor's first dimension.
+struct RowRange {
+  int64_t begin = 0;
+  int64_t count = 0;
+};
+
 struct LinearSlice {
   enum class Dim : uint8_t { kAll, kRows, kColumns };
   Dim dim = Dim::kAll;
@@ -51,6 +57,10 @@ class WeightLoader {
   // a rank's share of a bias or a per-head parameter. count == shape[0]: the whole tensor.
   Result<BackendBuffer> load_rows(const std::string& name, const std::vector<int64_t>& shape,
                                   std::string_view meaning, int64_t begin, int64_t count);
+  // The rows of each range of the tensor's first dimension, one range after another.
+  Result<BackendBuffer> load_row_ranges(const std::string& name, const std::vector<int64_t>& shape,
+                                        std::string_view meaning,
+                                        const std::vector<RowRange>& ranges);
   // The tensor's checkpoint entry, checked for presence and shape, counted as used, not uploaded
   // (tensors a layer reads on the host, such as the PLE tables and their int64 buffers).
   Result<const SafetensorsTensor*> find(const std::string& name, const std::vector<int64_t>& shape,
@@ -68,7 +78,13 @@ class WeightLoader {
   // slice: the part to load (tensor parallelism).
   Result<LinearWeight> load_linear(const std::string& module, int64_t out, int64_t in,
                                    std::string_view meaning, const LinearSlice& slice = {});
-  // The module's weight with its output rows regrouped as load_row_blocks does.
+  // The module's output rows of each range, one range after another (a rank's share of a fused
+  // projection's parts).
+  Result<LinearWeight> load_linear_row_ranges(const std::string& module, int64_t out, int64_t in,
+                                              std::string_view meaning,
+                                              const std::vector<RowRange>& ranges);
+  // The module's weight with its output rows regrouped as load_row_blocks does (order may
+  // select a subset of the blocks).
   Result<LinearWeight> load_linear_row_blocks(const std::string& module, int64_t out, int64_t in,
                                               std::string_view meaning, int64_t block_rows,
                                               const std::vector<int64_t>& order);

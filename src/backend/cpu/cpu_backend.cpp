@@ -491,6 +491,13 @@ class CpuBackend final : public Backend {
     e4kv::moe_experts(experts, f32(x), n_rows, ids, weights, top_k, f32(out));
     return ok_status();
   }
+  Status moe_local_ids(int32_t* ids, int64_t n_rows, int64_t top_k, int64_t begin,
+                       int64_t count) override {
+    for (int64_t i = 0; i < n_rows * top_k; ++i) {
+      ids[i] = ids[i] >= begin && ids[i] < begin + count ? int32_t(ids[i] - begin) : -1;
+    }
+    return ok_status();
+  }
   Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
                                int64_t n_experts, int64_t hidden, int64_t inter,
                                const int32_t* ids, const float* weights, int64_t n_rows,

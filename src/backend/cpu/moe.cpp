@@ -90,7 +90,7 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
               "moe_experts: null input or output");
   E4KV_ASSERT(x != out, "moe_experts: out must not alias x");
   for (int64_t a = 0; a < n_tokens * top_k; ++a) {
-    E4KV_ASSERT(expert_ids[a] >= 0 && expert_ids[a] < n_experts,
+    E4KV_ASSERT(expert_ids[a] >= -1 && expert_ids[a] < n_experts,
                 cat("moe_experts: expert id ", expert_ids[a], " at token ", a / top_k, " slot ",
                     a % top_k, " is outside [0, ", n_experts, ")"));
   }
@@ -129,10 +129,15 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
     const int32_t* ids = expert_ids + t0 * top_k;
 
     std::fill(expert_begin.begin(), expert_begin.end(), int64_t{0});
-    for (int64_t a = 0; a < n_assign; ++a) ++expert_begin[size_t(ids[a]) + 1];
+    // An id of -1 is another rank's expert (expert parallelism): no term, zero in the sum.
+    for (int64_t a = 0; a < n_assign; ++a) {
+      if (ids[a] >= 0) ++expert_begin[size_t(ids[a]) + 1];
+    }
     for (int64_t e = 0; e < n_experts; ++e) expert_begin[size_t(e + 1)] += expert_begin[size_t(e)];
     std::vector<int64_t> next_slot(expert_begin.begin(), expert_begin.end() - 1);
-    for (int64_t a = 0; a < n_assign; ++a) by_expert[size_t(next_slot[size_t(ids[a])]++)] = a;
+    for (int64_t a = 0; a < n_assign; ++a) {
+      if (ids[a] >= 0) by_expert[size_t(next_slot[size_t(ids[a])]++)] = a;
+    }
 
     for (int64_t e = 0; e < n_experts; ++e) {
       const int64_t begin = expert_begin[size_t(e)];
@@ -167,6 +172,7 @@ void moe_experts(const MoeExpertsView& experts, const float* x, int64_t n_tokens
       float* o = out + t * hidden;
       std::fill(o, o + hidden, 0.0f);
       for (int64_t j = 0; j < top_k; ++j) {
+        if (ids[tl * top_k + j] < 0) continue;
         const float w = weights[t * top_k + j];
         const float* term = terms.data() + (tl * top_k + j) * hidden;
         for (int64_t i = 0; i < hidden; ++i) {

@@ -62,11 +62,6 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
             " (", config_path, "): compressed index rows are paged with the main blocks"));
   }
 
-  if (options.tp.split()) {
-    return Status::error(cat(config_path, ": tensor parallelism is not built for the Qwen4Exp "
-                                          "family yet (the dense families run it); use a tensor "
-                                          "parallel size of 1"));
-  }
   std::unique_ptr<Qwen4ExpModel> model(new Qwen4ExpModel());
   Qwen4ExpModel& m = *model;
   ModelCore& core = m.core_;
@@ -142,16 +137,17 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
     if (config.layers[size_t(i)] == LayerKind::kQsaAttention) {
       E4KV_ASSIGN_OR_RETURN(QsaAttentionMixer qsa,
                             QsaAttentionMixer::load(backend, weights, p + "self_attn.",
-                                                    m.qsa_shape_, core.rope.inv_freq.data()));
+                                                    m.qsa_shape_, core.rope.inv_freq.data(),
+                                                    options.tp));
       layer.qsa.emplace(std::move(qsa));
     } else {
       E4KV_ASSIGN_OR_RETURN(DeltaNetMixer mixer,
-                            DeltaNetMixer::load(weights, p + "linear_attn.", dn));
+                            DeltaNetMixer::load(weights, p + "linear_attn.", dn, options.tp));
       layer.delta_net.emplace(std::move(mixer));
     }
     E4KV_ASSIGN_OR_RETURN(layer.mlp_hc, HyperConnection::load(weights, p + "mlp_hyper_connection.",
                                                               m.hc_shape_, /*inject=*/true));
-    E4KV_ASSIGN_OR_RETURN(layer.moe, MoeFfn::load(weights, p + "mlp.", moe));
+    E4KV_ASSIGN_OR_RETURN(layer.moe, MoeFfn::load(weights, p + "mlp.", moe, options.tp));
   }
   E4KV_ASSIGN_OR_RETURN(HyperConnection final_mixer,
                         HyperConnection::load(weights, root + "hyper_connection_mixer.",
@@ -164,6 +160,21 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
         m.lm_head_, weights.load("lm_head.weight", {vocab, hidden}, "[vocab_size, hidden_size]"));
   }
   E4KV_RETURN_IF_ERROR(weights.check_all_used());
+  // Under tensor parallelism the rank holds a share of the attention and linear-attention heads
+  // (and of the experts): its caches, states and workspaces are sized by its share from here on.
+  if (options.tp.split()) {
+    if (has_qsa) {
+      E4KV_ASSIGN_OR_RETURN(const HeadShare heads,
+                            share_heads(config.n_heads, config.n_kv_heads, options.tp));
+      m.qsa_shape_.n_heads = heads.q_count;
+      m.qsa_shape_.n_kv_heads = heads.kv_count;
+      core.config.n_heads = heads.q_count;
+      core.config.n_kv_heads = heads.kv_count;
+    }
+    int64_t k_begin = 0, v_begin = 0;
+    E4KV_ASSIGN_OR_RETURN(dn, m.delta_net_shape_.shard(options.tp, &k_begin, &v_begin));
+    moe.shared_inter = options.tp.count(moe.shared_inter);
+  }
 
   // ---- caches and state pools ----
   const int64_t slots = limits.max_seqs;
@@ -507,11 +518,13 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
       E4KV_RETURN_IF_ERROR(layer.delta_net->forward(b, n, step.sequences(), ws.mix.data(),
                                                     ws.y.data(), *mem.delta_net, *ws.delta_net));
     }
+    E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.y.data(), n * hidden));
     core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
     core_.mark("moe");
     E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
+    E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.y.data(), n * hidden));
     core_.mark("hyper_connection");
     E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
   }

@@ -68,20 +68,11 @@ Result<AttentionShape::Share> AttentionShape::shard(const TpShard& tp,
   local = *this;
   Share share;
   if (!tp.split()) return share;
-  if (n_heads % tp.size != 0 || (n_kv_heads % tp.size != 0 && tp.size % n_kv_heads != 0)) {
-    return Status::error(cat("tensor parallel size ", tp.size, " does not split ", n_heads,
-                             " attention heads and ", n_kv_heads,
-                             " key/value heads evenly; choose a size that divides the heads"));
-  }
-  local.n_heads = n_heads / tp.size;
-  share.q_head_begin = tp.begin(n_heads);
-  if (n_kv_heads >= tp.size) {
-    local.n_kv_heads = n_kv_heads / tp.size;
-    share.kv_head_begin = tp.begin(n_kv_heads);
-  } else {
-    local.n_kv_heads = 1;
-    share.kv_head_begin = share.q_head_begin / (n_heads / n_kv_heads);
-  }
+  E4KV_ASSIGN_OR_RETURN(const HeadShare heads, share_heads(n_heads, n_kv_heads, tp));
+  local.n_heads = heads.q_count;
+  local.n_kv_heads = heads.kv_count;
+  share.q_head_begin = heads.q_begin;
+  share.kv_head_begin = heads.kv_begin;
   local.o_bias = o_bias && tp.rank == 0;
   return share;
 }

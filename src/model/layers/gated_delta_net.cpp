@@ -50,33 +50,80 @@ Status DeltaNetState::copy(Backend& backend, const DeltaNetShape& shape, int32_t
   return backend.copy_blocks(recurrent.data(), n_slots, rec_bytes, pair);
 }
 
+Result<DeltaNetShape> DeltaNetShape::shard(const TpShard& tp, int64_t* k_begin,
+                                           int64_t* v_begin) const {
+  DeltaNetShape local = *this;
+  *k_begin = 0;
+  *v_begin = 0;
+  if (!tp.split()) return local;
+  if (n_k_heads % tp.size != 0) {
+    return Status::error(cat("tensor parallel size ", tp.size, " does not split ", n_k_heads,
+                             " linear-attention key heads evenly; choose a size that divides "
+                             "them"));
+  }
+  // Value head h reads key head h / (n_v / n_k): contiguous shares of both stay paired.
+  local.n_k_heads = n_k_heads / tp.size;
+  local.n_v_heads = n_v_heads / tp.size;
+  *k_begin = tp.begin(n_k_heads);
+  *v_begin = tp.begin(n_v_heads);
+  return local;
+}
+
 Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::string& p,
-                                          const DeltaNetShape& shape) {
+                                          const DeltaNetShape& shape, const TpShard& tp) {
   DeltaNetMixer m;
-  m.shape_ = shape;
+  int64_t kb = 0, vb = 0;
+  E4KV_ASSIGN_OR_RETURN(m.shape_, shape.shard(tp, &kb, &vb));
+  const DeltaNetShape& local = m.shape_;
   const int64_t h = shape.hidden;
   const int64_t nv = shape.n_v_heads;
+  const int64_t dk = shape.head_k_dim;
+  const int64_t dv = shape.head_v_dim;
+  // The conv channels (and in_proj_qkv's rows) are q | k | v: this rank's part of each.
+  const std::vector<RowRange> channels = {{kb * dk, local.k_dim()},
+                                          {shape.k_dim() + kb * dk, local.k_dim()},
+                                          {2 * shape.k_dim() + vb * dv, local.v_dim()}};
+  const LinearSlice v_rows = tp.split() ? LinearSlice{LinearSlice::Dim::kRows, vb * dv,
+                                                      local.v_dim()}
+                                        : LinearSlice{};
+  const LinearSlice head_rows = tp.split() ? LinearSlice{LinearSlice::Dim::kRows, vb,
+                                                         local.n_v_heads}
+                                           : LinearSlice{};
+  const LinearSlice out_cols = tp.split() ? LinearSlice{LinearSlice::Dim::kColumns, vb * dv,
+                                                        local.v_dim()}
+                                          : LinearSlice{};
   E4KV_ASSIGN_OR_RETURN(
-      m.in_qkv_, weights.load_linear(p + "in_proj_qkv", shape.conv_dim(), h,
-                              "[2 * linear_num_key_heads * linear_key_head_dim + "
-                              "linear_num_value_heads * linear_value_head_dim, hidden_size]"));
+      m.in_qkv_, weights.load_linear_row_ranges(
+                     p + "in_proj_qkv", shape.conv_dim(), h,
+                     "[2 * linear_num_key_heads * linear_key_head_dim + "
+                     "linear_num_value_heads * linear_value_head_dim, hidden_size]",
+                     channels));
   E4KV_ASSIGN_OR_RETURN(m.in_z_, weights.load_linear(p + "in_proj_z", shape.v_dim(), h,
-                                              "[linear_num_value_heads * linear_value_head_dim, "
-                                              "hidden_size]"));
+                                                     "[linear_num_value_heads * "
+                                                     "linear_value_head_dim, hidden_size]",
+                                                     v_rows));
   E4KV_ASSIGN_OR_RETURN(m.in_b_, weights.load_linear(p + "in_proj_b", nv, h,
-                                              "[linear_num_value_heads, hidden_size]"));
+                                                     "[linear_num_value_heads, hidden_size]",
+                                                     head_rows));
   E4KV_ASSIGN_OR_RETURN(m.in_a_, weights.load_linear(p + "in_proj_a", nv, h,
-                                              "[linear_num_value_heads, hidden_size]"));
+                                                     "[linear_num_value_heads, hidden_size]",
+                                                     head_rows));
   E4KV_ASSIGN_OR_RETURN(m.conv_,
-                        weights.load(p + "conv1d.weight", {shape.conv_dim(), 1, shape.conv_kernel},
-                                     "[conv channels, 1, linear_conv_kernel_dim]"));
-  E4KV_ASSIGN_OR_RETURN(m.dt_bias_, weights.load(p + "dt_bias", {nv}, "[linear_num_value_heads]"));
-  E4KV_ASSIGN_OR_RETURN(m.a_log_, weights.load(p + "A_log", {nv}, "[linear_num_value_heads]"));
+                        weights.load_row_ranges(p + "conv1d.weight",
+                                                {shape.conv_dim(), 1, shape.conv_kernel},
+                                                "[conv channels, 1, linear_conv_kernel_dim]",
+                                                channels));
+  E4KV_ASSIGN_OR_RETURN(m.dt_bias_, weights.load_rows(p + "dt_bias", {nv},
+                                                      "[linear_num_value_heads]", vb,
+                                                      local.n_v_heads));
+  E4KV_ASSIGN_OR_RETURN(m.a_log_, weights.load_rows(p + "A_log", {nv}, "[linear_num_value_heads]",
+                                                    vb, local.n_v_heads));
   E4KV_ASSIGN_OR_RETURN(
       m.norm_, weights.load(p + "norm.weight", {shape.head_v_dim}, "[linear_value_head_dim]"));
   E4KV_ASSIGN_OR_RETURN(m.out_, weights.load_linear(p + "out_proj", h, shape.v_dim(),
-                                             "[hidden_size, linear_num_value_heads * "
-                                             "linear_value_head_dim]"));
+                                                    "[hidden_size, linear_num_value_heads * "
+                                                    "linear_value_head_dim]",
+                                                    out_cols));
   return m;
 }
 

@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -33,6 +34,10 @@ struct DeltaNetShape {
   int64_t conv_dim() const { return 2 * k_dim() + v_dim(); }
   int64_t conv_state_elems() const { return (conv_kernel - 1) * conv_dim(); }
   int64_t recurrent_state_elems() const { return n_v_heads * head_k_dim * head_v_dim; }
+
+  // Tensor parallelism: this rank's N-th of the key heads and of the value heads (which stay
+  // paired); k_begin, v_begin: its first key and value head. Errors: heads that do not split.
+  Result<DeltaNetShape> shard(const TpShard& tp, int64_t* k_begin, int64_t* v_begin) const;
 };
 
 struct DeltaNetWorkspace {
@@ -63,7 +68,8 @@ class DeltaNetMixer {
  public:
   // prefix: "model.layers.0.linear_attn.".
   static Result<DeltaNetMixer> load(WeightLoader& weights, const std::string& prefix,
-                                    const DeltaNetShape& shape);
+                                    const DeltaNetShape& shape,
+                                      const TpShard& tp = {});
 
   // x, out: [n, hidden] act; seqs: the rows of each sequence and its state slot.
   Status forward(Backend& backend, int64_t n, const SequenceRowsView& seqs, const void* x,

@@ -22,29 +22,46 @@ Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shap
   return ws;
 }
 
-Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const MoeShape& shape) {
+Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const MoeShape& shape,
+                            const TpShard& tp) {
   MoeFfn m;
   m.shape_ = shape;
   const int64_t h = shape.hidden;
   const int64_t e = shape.n_experts;
   const int64_t i = shape.inter;
+  // Expert parallelism: this rank's experts [eb, eb + ec); the router and the shared expert's
+  // gate are whole on every rank, the shared expert is split by its channels.
+  if (e % tp.size != 0) {
+    return Status::error(cat("tensor parallel size ", tp.size, " does not split ", e,
+                             " experts evenly; choose a size that divides num_experts"));
+  }
+  const int64_t eb = tp.begin(e);
+  const int64_t ec = tp.count(e);
+  m.expert_begin_ = eb;
+  m.expert_count_ = ec;
   E4KV_ASSIGN_OR_RETURN(m.router_,
                         weights.load(p + "gate.weight", {e, h}, "[num_experts, hidden_size]"));
   if (weights.has(p + "experts.gate_up_proj")) {
     E4KV_ASSIGN_OR_RETURN(BackendBuffer gate_up,
-                          weights.load(p + "experts.gate_up_proj", {e, 2 * i, h},
-                                       "[num_experts, 2 * moe_intermediate_size, hidden_size]"));
+                          weights.load_rows(p + "experts.gate_up_proj", {e, 2 * i, h},
+                                            "[num_experts, 2 * moe_intermediate_size, hidden_size]",
+                                            eb, ec));
     E4KV_ASSIGN_OR_RETURN(BackendBuffer down,
-                          weights.load(p + "experts.down_proj", {e, h, i},
-                                       "[num_experts, hidden_size, moe_intermediate_size]"));
+                          weights.load_rows(p + "experts.down_proj", {e, h, i},
+                                            "[num_experts, hidden_size, moe_intermediate_size]",
+                                            eb, ec));
     const auto act_size = int64_t(weights.backend().act_size());
-    m.gate_up_ = LinearWeight::dense(std::move(gate_up), e * 2 * i, h, act_size);
-    m.down_ = LinearWeight::dense(std::move(down), e * h, i, act_size);
+    m.gate_up_ = LinearWeight::dense(std::move(gate_up), ec * 2 * i, h, act_size);
+    m.down_ = LinearWeight::dense(std::move(down), ec * h, i, act_size);
   } else {
     // Per expert: gate_0, up_0, gate_1, up_1, ... stacked is the packed [E, 2I, H] layout.
     std::vector<std::string> gate_up, down;
     for (int64_t x = 0; x < e; ++x) {
       const std::string q = cat(p, "experts.", x, ".");
+      if (x < eb || x >= eb + ec) {
+        weights.skip_prefix(q);  // another rank's expert
+        continue;
+      }
       gate_up.push_back(q + "gate_proj");
       gate_up.push_back(q + "up_proj");
       down.push_back(q + "down_proj");
@@ -56,7 +73,7 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
   }
   E4KV_ASSIGN_OR_RETURN(m.shared_expert_,
                         DenseMlp::load(weights, p + "shared_expert.", h, shape.shared_inter,
-                                       "shared_expert_intermediate_size"));
+                                       "shared_expert_intermediate_size", tp));
   E4KV_ASSIGN_OR_RETURN(m.shared_gate_,
                         weights.load(p + "shared_expert_gate.weight", {1, h}, "[1, hidden_size]"));
   return m;
@@ -69,7 +86,11 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
                                 ws.logits.data(), DType::kF32));
   E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.as<float>(), n, s.n_experts, s.top_k, s.norm_topk_prob,
                                    ws.ids.as<int32_t>(), ws.weights.as<float>()));
-  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.view(), down_.view(), s.n_experts, s.hidden,
+  if (expert_count_ != s.n_experts) {
+    E4KV_RETURN_IF_ERROR(
+        b.moe_local_ids(ws.ids.as<int32_t>(), n, s.top_k, expert_begin_, expert_count_));
+  }
+  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.view(), down_.view(), expert_count_, s.hidden,
                                      s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
                                      s.top_k, out));
   E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));

@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "model/layers/mlp.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -40,14 +41,18 @@ struct MoeWorkspace {
 class MoeFfn {
  public:
   // prefix: "model.layers.3.mlp.".
+  // tp: this rank's experts (expert parallelism) and share of the shared expert's channels; its
+  // output is then a partial sum.
   static Result<MoeFfn> load(WeightLoader& weights, const std::string& prefix,
-                             const MoeShape& shape);
+                             const MoeShape& shape, const TpShard& tp = {});
 
   // x, out: [n, hidden] act.
   Status forward(Backend& backend, int64_t n, const void* x, void* out, MoeWorkspace& ws) const;
 
  private:
   MoeShape shape_;
+  int64_t expert_begin_ = 0;  // this rank's experts
+  int64_t expert_count_ = 0;
   BackendBuffer router_;
   LinearWeight gate_up_, down_;  // [n_experts * 2 * inter, hidden], [n_experts * hidden, inter]
   DenseMlp shared_expert_;

@@ -30,36 +30,65 @@ Result<QsaAttentionWorkspace> QsaAttentionWorkspace::create(Backend& backend,
 Result<QsaAttentionMixer> QsaAttentionMixer::load(Backend& backend, WeightLoader& weights,
                                                   const std::string& p,
                                                   const QsaAttentionShape& shape,
-                                                  const double* inv_freq) {
+                                                  const double* inv_freq, const TpShard& tp) {
   QsaAttentionMixer m;
   m.shape_ = shape;
   m.inv_freq_ = inv_freq;
   const int64_t h = shape.hidden;
   const int64_t d = shape.head_dim;
-  // q_proj rows are [q_0, gate_0, q_1, gate_1, ...] in blocks of head_dim: regroup them into
-  // [q_0 .. q_{n-1}, gate_0 .. gate_{n-1}] so that q and gate are two plain projections.
+  // This rank's heads (all of them without tensor parallelism); the indexer is replicated.
+  HeadShare heads{0, shape.n_heads, 0, shape.n_kv_heads};
+  if (tp.split()) {
+    E4KV_ASSIGN_OR_RETURN(heads, share_heads(shape.n_heads, shape.n_kv_heads, tp));
+  }
+  m.shape_.n_heads = heads.q_count;
+  m.shape_.n_kv_heads = heads.kv_count;
+  // q_proj rows are [q_0, gate_0, q_1, gate_1, ...] in blocks of head_dim: regroup this rank's
+  // into [q_0 .. q_{n-1}, gate_0 .. gate_{n-1}] so that q and gate are two plain projections.
   std::vector<int64_t> order;
-  for (int64_t head = 0; head < shape.n_heads; ++head) order.push_back(2 * head);
-  for (int64_t head = 0; head < shape.n_heads; ++head) order.push_back(2 * head + 1);
+  for (int64_t head = heads.q_begin; head < heads.q_begin + heads.q_count; ++head) {
+    order.push_back(2 * head);
+  }
+  for (int64_t head = heads.q_begin; head < heads.q_begin + heads.q_count; ++head) {
+    order.push_back(2 * head + 1);
+  }
+  const LinearSlice kv_rows = tp.split() ? LinearSlice{LinearSlice::Dim::kRows,
+                                                       heads.kv_begin * d, heads.kv_count * d}
+                                         : LinearSlice{};
+  const LinearSlice o_cols = tp.split() ? LinearSlice{LinearSlice::Dim::kColumns,
+                                                      heads.q_begin * d, heads.q_count * d}
+                                        : LinearSlice{};
   E4KV_ASSIGN_OR_RETURN(
       m.q_gate_,
       weights.load_linear_row_blocks(p + "q_proj", 2 * shape.q_dim(), h,
                                      "[2 * num_attention_heads * head_dim, hidden_size]", d, order));
   E4KV_ASSIGN_OR_RETURN(m.k_, weights.load_linear(p + "k_proj", shape.kv_dim(), h,
-                                           "[num_key_value_heads * head_dim, hidden_size]"));
+                                                  "[num_key_value_heads * head_dim, hidden_size]",
+                                                  kv_rows));
   E4KV_ASSIGN_OR_RETURN(m.v_, weights.load_linear(p + "v_proj", shape.kv_dim(), h,
-                                           "[num_key_value_heads * head_dim, hidden_size]"));
+                                                  "[num_key_value_heads * head_dim, hidden_size]",
+                                                  kv_rows));
   E4KV_ASSIGN_OR_RETURN(m.o_, weights.load_linear(p + "o_proj", h, shape.q_dim(),
-                                           "[hidden_size, num_attention_heads * head_dim]"));
+                                                  "[hidden_size, num_attention_heads * head_dim]",
+                                                  o_cols));
   if (shape.bias) {
-    E4KV_ASSIGN_OR_RETURN(
-        m.q_gate_bias_, weights.load_row_blocks(p + "q_proj.bias", {2 * shape.q_dim()},
-                                                "[2 * num_attention_heads * head_dim]", d, order));
-    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load(p + "k_proj.bias", {shape.kv_dim()},
-                                                  "[num_key_value_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load(p + "v_proj.bias", {shape.kv_dim()},
-                                                  "[num_key_value_heads * head_dim]"));
-    E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {h}, "[hidden_size]"));
+    std::vector<RowRange> bias_blocks;
+    for (int64_t block : order) bias_blocks.push_back({block * d, d});
+    E4KV_ASSIGN_OR_RETURN(m.q_gate_bias_,
+                          weights.load_row_ranges(p + "q_proj.bias", {2 * shape.q_dim()},
+                                                  "[2 * num_attention_heads * head_dim]",
+                                                  bias_blocks));
+    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load_rows(p + "k_proj.bias", {shape.kv_dim()},
+                                                       "[num_key_value_heads * head_dim]",
+                                                       heads.kv_begin * d, heads.kv_count * d));
+    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load_rows(p + "v_proj.bias", {shape.kv_dim()},
+                                                       "[num_key_value_heads * head_dim]",
+                                                       heads.kv_begin * d, heads.kv_count * d));
+    if (tp.rank == 0) {
+      E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {h}, "[hidden_size]"));
+    } else {
+      weights.mark_used(p + "o_proj.bias");  // rank 0 adds it to the sum
+    }
   }
   E4KV_ASSIGN_OR_RETURN(m.q_norm_, weights.load(p + "q_norm.weight", {d}, "[head_dim]"));
   E4KV_ASSIGN_OR_RETURN(m.k_norm_, weights.load(p + "k_norm.weight", {d}, "[head_dim]"));

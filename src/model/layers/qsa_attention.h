@@ -20,6 +20,7 @@
 #include "kv/kv_cache_view.h"
 #include "model/layers/attention.h"
 #include "model/step_context.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -66,7 +67,8 @@ class QsaAttentionMixer {
   // (kept by the caller for the model's lifetime).
   static Result<QsaAttentionMixer> load(Backend& backend, WeightLoader& weights,
                                         const std::string& prefix, const QsaAttentionShape& shape,
-                                        const double* inv_freq);
+                                        const double* inv_freq,
+                                          const TpShard& tp = {});
 
   // x, out: [ctx.n_rows(), hidden] act; non_finite: the cache write's [2] counters; stats:
   // nullptr or the cache write's statistics.
