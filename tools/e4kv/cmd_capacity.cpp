@@ -6,6 +6,7 @@
 // safetensors headers, quantized formats included; kv/weight_memory.h), the PLE tables in host
 // memory, the KV pool left of G * C, and the maximum concurrency at 128K and 256K tokens for FP16
 // and E4M3 K/V. Without --budget-gib the KV figures above use that pool as their budget.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -34,8 +35,18 @@ struct CapacityArgs {
   std::optional<int64_t> request_tokens;  // absent: max_position_embeddings when the config has it
   int64_t block_size = 64;
   int64_t reserved_seqs = 1;
+  int tensor_parallel_size = 1;
   bool json = false;
 };
+
+// The kinds tensor parallelism splits over the ranks (heads, channels, experts); embeddings,
+// hyper-connections, norms and the rest are on every rank. The QSA indexer and the MoE router,
+// replicated in the runtime, are counted with their kinds (a few percent of them).
+bool split_kind(WeightKind kind) {
+  return kind == WeightKind::kAttention || kind == WeightKind::kDeltaNet ||
+         kind == WeightKind::kMoeExperts || kind == WeightKind::kSharedExpert ||
+         kind == WeightKind::kMlp;
+}
 
 constexpr double kGib = 1024.0 * 1024.0 * 1024.0;
 
@@ -57,7 +68,9 @@ struct MemoryPlan {
   int64_t card_bytes = 0;
   double utilization = kDefaultUtilization;
   int64_t share_bytes = 0;    // floor(utilization * card_bytes)
-  int64_t kv_pool_bytes = 0;  // share - device weights
+  int64_t kv_pool_bytes = 0;  // share - device weights (of one rank)
+  int tp = 1;                  // ranks; the figures above are one rank's
+  int64_t rank_weight_bytes = 0;
   struct Context {
     int64_t tokens = 0;
     RequestConcurrency fp16, e4m3;
@@ -86,7 +99,12 @@ Result<MemoryPlan> memory_plan(const CapacityArgs& args, const KvCacheLayout& la
       plan.ple_e4m3 ? plan.weights.ple_e4m3_bytes() : plan.weights.ple_checkpoint_bytes;
   plan.card_bytes = static_cast<int64_t>(std::floor(*args.gpu_memory_gib * kGib));
   plan.share_bytes = static_cast<int64_t>(std::floor(plan.utilization * double(plan.card_bytes)));
-  const int64_t weights = plan.weights.device_total();
+  plan.tp = args.tensor_parallel_size;
+  for (int k = 0; k < int(WeightKind::kCount); ++k) {
+    const int64_t bytes = plan.weights.device_bytes[size_t(k)];
+    plan.rank_weight_bytes += split_kind(WeightKind(k)) ? (bytes + plan.tp - 1) / plan.tp : bytes;
+  }
+  const int64_t weights = plan.rank_weight_bytes;
   if (weights >= plan.share_bytes) {
     return Status::error(cat("--gpu-memory-gib ", *args.gpu_memory_gib, ": the weights take ",
                              weights, " bytes (", gib_text(weights), ") of the card's ",
@@ -127,6 +145,9 @@ nlohmann::ordered_json plan_json(const MemoryPlan& plan) {
   j["gpu_memory_utilization"] = plan.utilization;
   j["share_bytes"] = plan.share_bytes;
   j["kv_pool_bytes"] = plan.kv_pool_bytes;
+  j["tensor_parallel_size"] = plan.tp;
+  j["weights_device_bytes_per_rank"] = plan.rank_weight_bytes;
+  j["kv_pool_bytes_total"] = plan.kv_pool_bytes * plan.tp;
   nlohmann::ordered_json contexts = nlohmann::ordered_json::array();
   for (const MemoryPlan::Context& c : plan.contexts) {
     contexts.push_back({{"tokens", c.tokens},
@@ -161,11 +182,19 @@ void print_plan(const MemoryPlan& plan) {
                 gib_text(plan.weights.ple_e4m3_bytes()).c_str(),
                 plan.ple_e4m3 ? "fp8_e4m3" : "auto", static_cast<long long>(plan.ple_host_bytes));
   }
+  if (plan.tp > 1) {
+    std::printf("tensor parallel size %d: per rank %lld bytes of weights (%s; attention, "
+                "DeltaNet, experts and MLPs split, the rest on every rank); the figures below "
+                "are one rank's, the KV pool %lld bytes over all ranks\n",
+                plan.tp, static_cast<long long>(plan.rank_weight_bytes),
+                gib_text(plan.rank_weight_bytes).c_str(),
+                static_cast<long long>(plan.kv_pool_bytes * plan.tp));
+  }
   std::printf("card %s x %.3f = %lld bytes; weights %lld; KV pool %lld bytes (%s); activations "
               "and workspaces not counted\n",
               gib_text(plan.card_bytes).c_str(), plan.utilization,
               static_cast<long long>(plan.share_bytes),
-              static_cast<long long>(plan.weights.device_total()),
+              static_cast<long long>(plan.rank_weight_bytes),
               static_cast<long long>(plan.kv_pool_bytes), gib_text(plan.kv_pool_bytes).c_str());
   std::printf("%-28s %14s %14s\n", "max concurrency", "FP16", "E4M3");
   for (const MemoryPlan::Context& c : plan.contexts) {
@@ -210,8 +239,25 @@ Status run_capacity(const CapacityArgs& args) {
   if (Status block = validate_block_size(args.block_size); !block.ok()) {
     return Status::error(cat("--block-size: ", block.message()));
   }
+  if (args.tensor_parallel_size < 1 || args.tensor_parallel_size > kMaxTensorParallelSize) {
+    return Status::error(cat("--tensor-parallel-size: expected 1 to ", kMaxTensorParallelSize,
+                             " ranks, got ", args.tensor_parallel_size));
+  }
   E4KV_ASSIGN_OR_RETURN(const ModelConfig config, load_model_config(args.model_dir));
-  Result<KvCacheLayout> layout_or = kv_cache_layout(config, args.block_size);
+  // Under tensor parallelism each rank's cache holds its share of the key/value heads (one when
+  // there are fewer heads than ranks) and of the linear-attention states.
+  ModelConfig rank_config = config;
+  const int tp = args.tensor_parallel_size;
+  if (tp > 1) {
+    rank_config.n_kv_heads = config.n_kv_heads >= tp ? config.n_kv_heads / tp : 1;
+    if (rank_config.qwen4exp) {
+      rank_config.qwen4exp->linear_num_key_heads =
+          std::max<int64_t>(1, config.qwen4exp->linear_num_key_heads / tp);
+      rank_config.qwen4exp->linear_num_value_heads =
+          std::max<int64_t>(1, config.qwen4exp->linear_num_value_heads / tp);
+    }
+  }
+  Result<KvCacheLayout> layout_or = kv_cache_layout(rank_config, args.block_size);
   if (!layout_or.ok()) {
     return Status::error(cat(args.model_dir, "/config.json: ", layout_or.message()));
   }
@@ -262,6 +308,7 @@ Status run_capacity(const CapacityArgs& args) {
     out["compress_ratio"] = layout.ratio;
     out["block_size"] = layout.block_size;
     out["budget_bytes"] = budget_bytes;
+    out["tensor_parallel_size"] = tp;
     out["reserved_seqs"] = args.reserved_seqs;
     out["ring_bytes_per_seq"] = layout.ring_bytes_per_seq();
     out["state_bytes_per_seq"] = layout.state_bytes_per_seq;
@@ -376,6 +423,11 @@ void add_capacity_command(CLI::App& app, Status& result) {
          "--max-seqs", args->reserved_seqs,
          "Sequences whose QSA raw rings and recurrent states are reserved before counting blocks")
       ->transform(decimal_integer<int64_t>(0, kMaxSequences))
+      ->capture_default_str();
+  cmd->add_option("--tensor-parallel-size", args->tensor_parallel_size,
+                  "Ranks of tensor parallelism: the figures are then one rank's (its share of "
+                  "the key/value heads, states and split weights), with the totals beside them")
+      ->transform(decimal_integer<int>(1, kMaxTensorParallelSize))
       ->capture_default_str();
   cmd->add_flag("--json", args->json, "Print JSON");
   cmd->callback([args, &result] { result = run_capacity(*args); });
