@@ -162,6 +162,37 @@ TEST(TensorParallel, SizesThatDoNotSplitTheHeadsAreRefusedNamingTheRank) {
       << three.message();
 }
 
+TEST(TensorParallel, TheScaleGateRunsOnEveryRankAndAFailureNamesTheRank) {
+  testing_support::TempDir tmp;
+  SynthCheckpointOptions o;
+  o.n_layers = 2;
+  o.with_kv_scales = true;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path() / "scaled", o).ok());
+  o.with_kv_scales = false;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path() / "bare", o).ok());
+  auto load_e4m3 = [](const fs::path& dir) -> Result<std::unique_ptr<TensorParallelModel>> {
+    E4KV_ASSIGN_OR_RETURN(Checkpoint ckpt, Checkpoint::open(dir));
+    static std::vector<std::unique_ptr<Checkpoint>> keep;  // the models read the mapping
+    keep.push_back(std::make_unique<Checkpoint>(std::move(ckpt)));
+    std::vector<std::unique_ptr<Backend>> backends;
+    for (int r = 0; r < 2; ++r) backends.push_back(make_cpu_backend({1}));
+    ModelOptions options = options_for_test();
+    options.kv_cache_dtype = KvCacheDtype::kE4m3;
+    return TensorParallelModel::load(*keep.back(), std::move(backends), options);
+  };
+  Result<std::unique_ptr<TensorParallelModel>> scaled = load_e4m3(tmp.path() / "scaled");
+  ASSERT_TRUE(scaled.ok()) << scaled.message();
+  // Every rank passed its own gate with the same per-layer scales.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ((*scaled)->rank(r).kv_scales().summary, (*scaled)->rank(0).kv_scales().summary);
+  }
+  Result<std::unique_ptr<TensorParallelModel>> bare = load_e4m3(tmp.path() / "bare");
+  ASSERT_FALSE(bare.ok());
+  EXPECT_NE(bare.message().find("tensor parallel rank 0 of 2"), std::string::npos)
+      << bare.message();
+  EXPECT_NE(bare.message().find("k_scale"), std::string::npos) << bare.message();
+}
+
 TEST(TensorParallel, CommunicatorSumsInRankOrderAndAbortsWaiters) {
   auto backend = make_cpu_backend({1});
   ThreadCommunicator comm(3);
