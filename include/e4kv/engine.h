@@ -122,6 +122,9 @@ struct EngineConfig {
   std::optional<int64_t> num_gpu_blocks_override;  // exactly this many blocks
   std::optional<double> gpu_memory_utilization;    // CUDA: this fraction of the card
   int threads = 0;  // CPU backend threads; 0: one per hardware thread
+  // Ranks of tensor parallelism, each holding its share of the heads, channels and experts (and
+  // of the KV pool). CPU ranks (threads) today; GPU ranks need the NCCL communicator.
+  int tensor_parallel_size = 1;
   // Text in a chat message that spells a control token (<|im_end|>) becomes that token, as
   // encoding transformers' apply_chat_template output does; by default it stays text.
   bool special_tokens_in_content = false;

@@ -636,6 +636,10 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
         std::pair{config.max_num_batched_tokens, "max_num_batched_tokens"}}) {
     if (n < 0) return field_error(name, cat("must be >= 0 (0: the model's default), got ", n));
   }
+  if (config.tensor_parallel_size < 1 || config.tensor_parallel_size > kMaxTensorParallelSize) {
+    return field_error("tensor_parallel_size", cat("expected 1 to ", kMaxTensorParallelSize,
+                                                   " ranks, got ", config.tensor_parallel_size));
+  }
   ModelSetup setup;
   setup.model_dir = config.model;
   setup.device = config.device;
@@ -645,6 +649,7 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
   setup.block_size = config.block_size;
   setup.max_model_len = config.max_model_len;
   setup.threads = config.threads;
+  setup.tensor_parallel_size = config.tensor_parallel_size;
   setup.kv_cache_memory_bytes = config.kv_cache_memory_bytes;
   setup.num_gpu_blocks_override = config.num_gpu_blocks_override;
   setup.gpu_memory_utilization = config.gpu_memory_utilization;

@@ -177,6 +177,29 @@ TEST_F(LlmEngineApi, GreedyOutputsEqualTheInternalGenerateLoop) {
   }
 }
 
+// The engine over two tensor-parallel ranks batches requests as over one: the same greedy tokens.
+TEST_F(LlmEngineApi, TensorParallelRanksGiveTheSameGreedyOutputs) {
+  api::EngineConfig c = config();
+  c.threads = 2;
+  c.tensor_parallel_size = 2;
+  auto engine = api::LLMEngine::create(c);
+  ASSERT_TRUE(engine.ok()) << engine.message();
+  api::SamplingParams params;
+  params.max_tokens = 10;
+  params.ignore_eos = true;
+  auto done = (*engine)->generate({api::Prompt(prompt_ids(0)), api::Prompt(prompt_ids(1)),
+                                   api::Prompt(prompt_ids(2)), api::Prompt(prompt_ids(3))},
+                                  params);
+  ASSERT_TRUE(done.ok()) << done.message();
+  ASSERT_EQ(done->size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ((*done)[size_t(i)].token_ids, reference(prompt_ids(i), params));
+  api::EngineConfig bad = config();
+  bad.tensor_parallel_size = 0;
+  auto refused = api::LLMEngine::create(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().field(), "tensor_parallel_size");
+}
+
 TEST_F(LlmEngineApi, StreamsInOrderWithLogprobsAndStopStrings) {
   auto engine = api::LLMEngine::create(config());
   ASSERT_TRUE(engine.ok()) << engine.message();

@@ -96,6 +96,7 @@ Status run_serve(ServeArgs& args) {
   config.num_gpu_blocks_override = args.model.num_gpu_blocks_override;
   config.gpu_memory_utilization = args.model.gpu_memory_utilization;
   config.threads = args.model.threads;
+  config.tensor_parallel_size = args.model.tensor_parallel_size;
   config.special_tokens_in_content = args.special_tokens_in_content;
   config.chat_template = args.chat_template;
   api::Result<std::unique_ptr<api::LLMEngine>> engine = api::LLMEngine::create(config);
@@ -117,7 +118,8 @@ Status run_serve(ServeArgs& args) {
            {"model", "device", "kv_cache_dtype", "kv_scales_mode", "ple_dtype", "block_size",
             "max_model_len",
             "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-            "num_gpu_blocks_override", "gpu_memory_utilization", "threads", "chat_template"}) {
+            "num_gpu_blocks_override", "gpu_memory_utilization", "threads", "tensor_parallel_size",
+            "chat_template"}) {
         if (message.rfind(std::string(known) + ":", 0) == 0) field = known;
       }
     }
