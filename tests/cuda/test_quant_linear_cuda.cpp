@@ -5,15 +5,19 @@
 // element groups, rows longer than one 1024-element chunk and not a multiple of it), FP8 with
 // 128- and 32-column blocks whose last block is partial; the per-element fallback (in not a
 // multiple of 32 or 16, W4 group 16); out not a multiple of the CTA's 8 or 16 rows; n = 1, 3,
-// 16, 17, 64 rows; bias on and off; y FP16 and fp32 (logits). Outputs are poisoned with NaN first.
+// 16, 17, 64 rows (n <= 16 the GEMV, in tiles of 1, 4 and 8 rows; n = 17 and 64 the tensor-core
+// tiles where a 64-wide k-tile lies in one group: W4 and FP8 with group 128, every NVFP4 weight;
+// the GEMV in 8-row tiles for groups 32); bias on and off; y FP16 and fp32 (logits). Outputs are
+// poisoned with NaN first.
 // Also: the launch captured in a CUDA graph (no allocation, no host wait) replays bit for bit, and
 // shapes the kernels cannot take are refused with the shape named (that part runs without a GPU).
 //
 // The bound, per element (row r, column o), with A = sum_k |w[o, k] x[r, k]| + |bias[o]| in
 // double from the dequantized weights: both results are fp32 sums of the same exact products
-// (the GPU multiplies codes by x exactly and the group's scale once, the CPU rounds each
-// dequantized weight once: no more than one extra rounding per term) in different orders, each
-// within (K + 8) 2^-24 A of the exact sum (K = in terms, the bias add and the scale products), so
+// (the GPU multiplies codes by x exactly, on CUDA cores or tensor cores, and the group's scale
+// once, the CPU rounds each dequantized weight once: no more than one extra rounding per term) in
+// different orders, each within (K + 8) 2^-24 A of the exact sum (K = in terms, the bias add and
+// the scale products; the tensor cores' K / 16 accumulation steps stay well inside it), so
 //   fp32 y:  |gpu - cpu| <= 2 (K + 8) 2^-24 A
 //   FP16 y:  |gpu - cpu| <= 2^-11 (|cpu| + b32) + b32 + 2^-25   (b32 the fp32 bound; the final
 //            rounding to FP16 is half an ulp, 2^-25 at the subnormal end)
