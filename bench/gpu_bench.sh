@@ -10,6 +10,7 @@ status=0
 "$BUILD/bench/e4kv_bench_qsa_indexer" "$OUT/qsa_indexer.json" || status=1
 "$BUILD/bench/e4kv_bench_prefill_attention" "$OUT/prefill_attention.json" || status=1
 "$BUILD/bench/e4kv_bench_qsa_decode" "$OUT/qsa_decode.json" || status=1
+"$BUILD/bench/e4kv_bench_quant_linear" "$OUT/quant_linear.json" || status=1
 "$BUILD/bench/e4kv_bench_model_decode" "$OUT/model_decode.json" || status=1
 python3 bench/peer_sdpa.py "$OUT/peer_sdpa.json" || status=1
 if [ -x "$BUILD/bench/e4kv_bench" ]; then

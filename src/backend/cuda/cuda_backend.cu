@@ -26,6 +26,8 @@
 #include "backend/cuda/qsa_index_scores.cuh"
 #include "backend/cuda/qsa_indexer_write.cuh"
 #include "backend/cuda/qsa_topk.cuh"
+#include "backend/cuda/quant_linear.cuh"
+#include "backend/cuda/quant_moe.cuh"
 #include "backend/cuda/sampling.cuh"
 #include "core/half.h"
 #include "core/norm_rope.h"
@@ -278,6 +280,21 @@ class CudaBackend final : public Backend, public StepProfiler {
     return ok_status();
   }
 
+  // Quantized weights (quant_linear.cuh, quant_moe.cuh): dequantized in registers, no workspace
+  // for the linear, the MoE workspace for the experts.
+  bool runs_weight_format(WeightFormat format) const override {
+    return format == WeightFormat::kDense || format == WeightFormat::kW4 ||
+           format == WeightFormat::kNvfp4 || format == WeightFormat::kFp8Block;
+  }
+  Status linear_quantized(const void* x, const LinearView& w, const void* bias, int64_t n, void* y,
+                          DType y_dtype) override {
+    if (y_dtype != DType::kF16 && y_dtype != DType::kF32) {
+      return Status::error("cuda linear: the output must be F16 or F32");
+    }
+    if (w.dense()) return linear(x, w.data, bias, n, w.in, w.out, y, y_dtype);
+    return cuda::quant_linear(h(x), w, h(bias), n, y, y_dtype == DType::kF32, stream_);
+  }
+
   Status rope_neox(void* x, const float* cos, const float* sin, int64_t n_rows, int64_t n_heads,
                    int64_t head_dim, int64_t rotary_dim) override {
     cuda::rope_neox_f16(static_cast<uint16_t*>(x), cos, sin, n_rows, n_heads, head_dim, rotary_dim,
@@ -420,6 +437,17 @@ class CudaBackend final : public Backend, public StepProfiler {
                                  n_rows, top_k, h(out), moe_workspace_, moe_workspace_bytes_,
                                  stream_);
   }
+  Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
+                               int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                               const float* weights, int64_t n_rows, int64_t top_k,
+                               void* out) override {
+    const size_t bytes = cuda::quant_moe_workspace_bytes(std::min<int64_t>(n_rows, kMoeRowsPerPass),
+                                                         top_k, n_experts, hidden, inter);
+    E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
+    return cuda::quant_moe_experts(h(x), gate_up, down, n_experts, hidden, inter, ids, weights,
+                                   n_rows, top_k, h(out), moe_workspace_, moe_workspace_bytes_,
+                                   stream_);
+  }
   Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                            int64_t dim) override {
     cuda::sigmoid_gated_add_f16(h(out), h(y), h(gate), n_rows, dim, stream_);
@@ -525,9 +553,14 @@ class CudaBackend final : public Backend, public StepProfiler {
       }
     }
     if (needs.moe_experts > 0) {
-      const size_t bytes = cuda::moe_experts_workspace_bytes(
-          std::min<int64_t>(needs.max_rows, kMoeRowsPerPass), needs.moe_top_k, needs.moe_experts,
-          needs.moe_hidden, needs.moe_inter);
+      // The larger of the FP16 and the quantized experts' needs (the weights' format is not
+      // known here).
+      const int64_t rows = std::min<int64_t>(needs.max_rows, kMoeRowsPerPass);
+      const size_t bytes =
+          std::max(cuda::moe_experts_workspace_bytes(rows, needs.moe_top_k, needs.moe_experts,
+                                                     needs.moe_hidden, needs.moe_inter),
+                   cuda::quant_moe_workspace_bytes(rows, needs.moe_top_k, needs.moe_experts,
+                                                   needs.moe_hidden, needs.moe_inter));
       E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
     }
     return ok_status();

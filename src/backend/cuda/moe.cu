@@ -669,6 +669,42 @@ Status moe_route_f32(const float* logits, int64_t n_rows, int64_t n_experts, int
                        stream);
 }
 
+int64_t moe_max_tiles(int64_t n_pairs, int64_t n_experts, int64_t tile_rows) {
+  return max_tiles(n_pairs, n_experts, tile_rows);
+}
+
+void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int64_t tile_rows,
+                     int32_t* offsets, int32_t* n_tiles, int32_t* tiles, int32_t* perm,
+                     cudaStream_t stream) {
+  GroupParams g{};
+  g.ids = ids;
+  g.n_pairs = int32_t(n_pairs);
+  g.n_experts = int32_t(n_experts);
+  g.tile_rows = int32_t(tile_rows);
+  g.offsets = offsets;
+  g.n_tiles = n_tiles;
+  g.tiles = tiles;
+  g.perm = perm;
+  launch_kernel(moe_group_kernel, LaunchDims{dim3(1), dim3(kGroupThreads)}, stream, g);
+}
+
+void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
+                       int64_t n_experts, int64_t hidden, uint16_t* out, cudaStream_t stream) {
+  CombineParams c{};
+  c.terms = terms;
+  c.ids = ids;
+  c.n_rows = n_rows;
+  c.top_k = int32_t(top_k);
+  c.n_experts = int32_t(n_experts);
+  c.hidden = int32_t(hidden);
+  c.out = out;
+  constexpr int kCombineThreads = 256;
+  const int64_t quads = n_rows * (hidden / 4);
+  const auto blocks =
+      unsigned(std::clamp<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 1, 65536));
+  launch_kernel(moe_combine_kernel, LaunchDims{dim3(blocks), dim3(kCombineThreads)}, stream, c);
+}
+
 size_t moe_experts_workspace_bytes(int64_t max_rows, int64_t top_k, int64_t n_experts,
                                    int64_t hidden, int64_t inter) {
   return workspace_layout(std::max<int64_t>(max_rows, 1), std::max<int64_t>(top_k, 1),
@@ -742,16 +778,7 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
     const bool small = n_pairs < 32 * std::min(n_pairs, n_experts);
     const int tile_rows = small ? SmallTile::kRows : LargeTile::kRows;
 
-    GroupParams g{};
-    g.ids = pass_ids;
-    g.n_pairs = int32_t(n_pairs);
-    g.n_experts = int32_t(n_experts);
-    g.tile_rows = tile_rows;
-    g.offsets = offsets;
-    g.n_tiles = n_tiles;
-    g.tiles = tiles;
-    g.perm = perm;
-    launch_kernel(moe_group_kernel, LaunchDims{dim3(1), dim3(kGroupThreads)}, stream, g);
+    moe_group_pairs(pass_ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm, stream);
 
     GemmParams gp{};
     gp.a = x + r0 * hidden;
@@ -772,19 +799,7 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
       launch_gemms<LargeTile>(gp, gate_up, down, n_pairs, n_experts, stream);
     }
 
-    CombineParams c{};
-    c.terms = terms;
-    c.ids = pass_ids;
-    c.n_rows = rows;
-    c.top_k = int32_t(top_k);
-    c.n_experts = int32_t(n_experts);
-    c.hidden = int32_t(hidden);
-    c.out = out + r0 * hidden;
-    constexpr int kCombineThreads = 256;
-    const int64_t quads = rows * (hidden / 4);
-    const auto blocks =
-        unsigned(std::clamp<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 1, 65536));
-    launch_kernel(moe_combine_kernel, LaunchDims{dim3(blocks), dim3(kCombineThreads)}, stream, c);
+    moe_combine_terms(terms, pass_ids, rows, top_k, n_experts, hidden, out + r0 * hidden, stream);
   }
   return ok_status();
 }

@@ -59,4 +59,21 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
                        const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
+// The pieces of moe_experts_f16 that the quantized experts (quant_moe.cuh) share.
+// Tiles of tile_rows pairs over any routing of n_pairs pairs to n_experts experts (the grid of a
+// grouped GEMM, whose CTAs past the device tile count exit).
+int64_t moe_max_tiles(int64_t n_pairs, int64_t n_experts, int64_t tile_rows);
+// Groups the pairs a = row * top_k + j of ids [n_pairs] by expert, stably: offsets [n_experts + 1]
+// (group e is perm[offsets[e] .. offsets[e + 1])), perm [n_pairs], n_tiles [1] and tiles
+// [moe_max_tiles, 2] (expert, first row of the tile within the group). Ids outside [0, n_experts)
+// are left out. One launch; n_experts <= kMoeMaxExperts, n_pairs <= 2^30.
+void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int64_t tile_rows,
+                     int32_t* offsets, int32_t* n_tiles, int32_t* tiles, int32_t* perm,
+                     cudaStream_t stream);
+// out[row] = FP16(sum over j < top_k, from 0 in j order, of terms[row * top_k + j]), skipping ids
+// outside [0, n_experts). terms: [n_rows * top_k, hidden] fp32; out: [n_rows, hidden] FP16,
+// 8-byte aligned; hidden a multiple of 4.
+void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
+                       int64_t n_experts, int64_t hidden, uint16_t* out, cudaStream_t stream);
+
 }  // namespace e4kv::cuda

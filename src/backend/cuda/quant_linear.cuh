@@ -1,0 +1,38 @@
+// Linear layers over quantized weights (quant/linear_weight.h: AWQ W4A16, NVFP4, FP8 with block
+// scales) on the GPU: y = x dequant(W)^T (+ bias), FP16 x, fp32 products and sums, the weight
+// dequantized in registers (quant/dequantize.h is the contract; backend/cpu's linear_quantized the
+// oracle of tests/cuda/test_quant_linear_cuda.cpp). No allocation, no host synchronisation: the
+// launch can be captured in a CUDA graph. Host-only header (no CUDA include beyond the stream
+// type).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string_view>
+
+#include "core/status.h"
+#include "quant/linear_view.h"
+
+namespace e4kv::cuda {
+
+// Whether the quantized kernels (this file and quant_moe.cuh) take `w` as the weight of `op`:
+// ok, or an error naming op, the format and the shape, and what it needs: in a multiple of 4,
+// out and in below 2^31, a group dividing in (kW4, kNvfp4), the planes of the format present;
+// kDense (MoE experts only) with FP16 elements.
+Status quant_weight_supported(const LinearView& w, std::string_view op);
+// Whether `w` takes the 16-byte load paths (quant_gemv.cuh's Format): data 16-byte aligned and
+//   kW4        in and group multiples of 32;
+//   kNvfp4     in a multiple of 32, group 16;
+//   kFp8Block  in and group multiples of 16 (the last block may be partial);
+//   kDense     in a multiple of 8.
+// Other supported weights take the per-element fallback (Exact: correct, several times slower).
+bool quant_weight_fast_path(const LinearView& w);
+
+// y[n, w.out] = x[n, w.in] dequant(w)^T + bias. x: FP16, 8-byte aligned; bias: [w.out] FP16 or
+// nullptr; y: FP16 or, with y_f32, fp32. w: kW4, kNvfp4 or kFp8Block in device memory.
+// Errors: a weight quant_weight_supported refuses, a misaligned x, n < 0.
+Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias, int64_t n,
+                    void* y, bool y_f32, cudaStream_t stream);
+
+}  // namespace e4kv::cuda
