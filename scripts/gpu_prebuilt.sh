@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=build-gpu90
 PACK=out/gpubin.tar.xz
-BINS=(e4kv bench/e4kv_bench_qwen4exp tests/e4kv_cuda_tests bench/e4kv_bench)
+BINS=(e4kv bench/e4kv_bench_qwen4exp tests/e4kv_cuda_tests bench/e4kv_bench bench/e4kv_bench_quant_linear)
 
 case "${1:-}" in
   pack)
@@ -24,7 +24,8 @@ case "${1:-}" in
       cmake -S . -B $B -G Ninja -DE4KV_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         -DE4KV_WERROR=ON -DE4KV_BUILD_BENCH=ON -DE4KV_USE_ICU=OFF -DCMAKE_BUILD_TYPE=Release
     fi
-    cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp e4kv_cuda_tests e4kv_bench
+    cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp e4kv_cuda_tests e4kv_bench \
+      e4kv_bench_quant_linear
     stage=$(mktemp -d)
     trap 'rm -rf "$stage"' EXIT
     for b in "${BINS[@]}"; do

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The smallest GPU round worth a machine start, for when only a few device minutes are left: the
-# prebuilt CUDA tests (out/gpubin.tar.xz, scripts/gpu_prebuilt.sh) while the Qwen4Exp benchmark
-# checkpoint is written beside them, then `e4kv serve` on that checkpoint under bench/serve_load.py
-# for LOAD_SECONDS. Each part has its own time cap so the whole ends inside ROUND_SECONDS and what
+# prebuilt CUDA tests (out/gpubin.tar.xz, scripts/gpu_prebuilt.sh; the quantized-weight kernels'
+# included) while the Qwen4Exp benchmark checkpoint is written beside them, the W4A16 / NVFP4 /
+# FP8-block linear against cuBLAS FP16, then `e4kv serve` on that checkpoint under
+# bench/serve_load.py for LOAD_SECONDS. Each part has its own time cap so the whole ends inside ROUND_SECONDS and what
 # finished is in $OUT even when a later part is cut off. Carry .deps.tar.xz and out/gpubin.tar.xz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,12 @@ t=$(date +%s)
 timeout "${TESTS_SECONDS:-80}" $B/tests/e4kv_cuda_tests --gtest_brief=1 >"$OUT/cuda_tests.log" 2>&1
 echo "=== cuda_tests rc=$? $(($(date +%s) - t)) s"
 grep -E '^\[  FAILED|Failure|PASSED|FAILED TEST' "$OUT/cuda_tests.log" | head -40
+
+t=$(date +%s)
+timeout "${QUANT_BENCH_SECONDS:-40}" $B/bench/e4kv_bench_quant_linear "$OUT/quant_linear.json" \
+  >"$OUT/quant_linear.log" 2>&1
+echo "=== quant_linear bench rc=$? $(($(date +%s) - t)) s"
+tail -30 "$OUT/quant_linear.log"
 
 wait $writer
 tail -2 "$OUT/checkpoint.log"

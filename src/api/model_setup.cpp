@@ -361,6 +361,12 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
   if (std::string line = pool_line(*loaded.model, pool); !line.empty()) {
     loaded.notes.push_back(std::move(line));
   }
+  if (config.quant.quantized() && setup.device != "cpu") {
+    loaded.notes.push_back(cat("weights: ", config.quant.describe(), " on ", setup.device,
+                               ": the CUDA kernels for quantized weights have not been verified "
+                               "on a GPU yet (their tests are owed); the CPU backend's results "
+                               "are the checked ones"));
+  }
   if (dtype == KvCacheDtype::kE4m3) loaded.notes.push_back(loaded.model->kv_scales().summary);
   return loaded;
 }
