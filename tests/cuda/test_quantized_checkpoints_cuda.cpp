@@ -23,25 +23,14 @@
 #include "io/checkpoint.h"
 #include "model/model.h"
 #include "testing/compare.h"
+#include "testing/model_runs.h"
 
 namespace e4kv {
 namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kQuantDir = fs::path(E4KV_SOURCE_DIR) / "tests" / "data" / "quant";
-
-std::vector<std::string> case_names() {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(kQuantDir, ec)) {
-    if (fs::exists(entry.path() / "quantized" / "config.json")) {
-      names.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
+const fs::path& kQuantDir = testing_support::quant_data_dir();
 
 // The logits of every prompt position (one forward) of the checkpoint in `dir` on `backend`.
 std::vector<float> prompt_logits(const fs::path& dir, Backend& backend,
@@ -49,26 +38,11 @@ std::vector<float> prompt_logits(const fs::path& dir, Backend& backend,
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
   EXPECT_TRUE(ckpt.ok()) << ckpt.message();
   if (!ckpt.ok()) return {};
-  ModelOptions options;
-  options.kv_cache_dtype = KvCacheDtype::kF16;
-  options.block_size = 16;
-  options.n_blocks = 8;
-  options.max_model_len = 96;
-  Result<std::unique_ptr<Model>> model = load_model(*ckpt, backend, options);
+  Result<std::unique_ptr<Model>> model =
+      load_model(*ckpt, backend, testing_support::small_model_options());
   EXPECT_TRUE(model.ok()) << model.message();
   if (!model.ok()) return {};
-  Model& m = **model;
-  BlockAllocator allocator(m.n_blocks(), m.block_size());
-  BlockTable table;
-  allocator.append(table, int64_t(ids.size()));
-  Result<ScopedSequence> seq = ScopedSequence::allocate(m);
-  EXPECT_TRUE(seq.ok()) << seq.message();
-  if (!seq.ok()) return {};
-  std::vector<int32_t> seqs(ids.size(), 0), pos(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-  const int32_t slot = seq->slot();
-  Result<std::vector<float>> logits =
-      m.forward({ids, seqs, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)});
+  Result<std::vector<float>> logits = testing_support::prompt_logits(**model, ids);
   EXPECT_TRUE(logits.ok()) << logits.message();
   return logits.ok() ? *logits : std::vector<float>{};
 }
@@ -79,7 +53,7 @@ TEST(QuantizedCheckpointCuda, LogitsMatchTheDequantizedCheckpointAndTheCpuBacken
   ASSERT_TRUE(gpu.ok()) << gpu.message();
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   const std::vector<int32_t> ids = {1, 17, 42, 7, 99, 3, 250, 64, 5, 128, 33, 2};
-  const std::vector<std::string> names = case_names();
+  const std::vector<std::string> names = testing_support::quant_case_names();
   ASSERT_GE(names.size(), 7u);
   for (const std::string& name : names) {
     SCOPED_TRACE(name);

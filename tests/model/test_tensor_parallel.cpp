@@ -16,6 +16,7 @@
 #include "model/tensor_parallel.h"
 #include "testing/compare.h"
 #include "testing/files.h"
+#include "testing/model_runs.h"
 #include "testing/synth_checkpoint.h"
 
 namespace e4kv {
@@ -23,14 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-ModelOptions options_for_test() {
-  ModelOptions options;
-  options.kv_cache_dtype = KvCacheDtype::kF16;
-  options.block_size = 16;
-  options.n_blocks = 8;
-  options.max_model_len = 96;
-  return options;
-}
+ModelOptions options_for_test() { return testing_support::small_model_options(); }
 
 Result<std::unique_ptr<Model>> load_tp(const Checkpoint& ckpt, int size) {
   if (size == 1) {
@@ -45,34 +39,10 @@ Result<std::unique_ptr<Model>> load_tp(const Checkpoint& ckpt, int size) {
   return std::unique_ptr<Model>(std::move(tp));
 }
 
-struct Outputs {
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
-};
+using Outputs = testing_support::PromptRun;
 
 Outputs run(Model& m, const std::vector<int32_t>& ids) {
-  Outputs out;
-  {
-    BlockAllocator allocator(m.n_blocks(), m.block_size());
-    BlockTable table;
-    allocator.append(table, int64_t(ids.size()));
-    Result<ScopedSequence> seq = ScopedSequence::allocate(m);
-    EXPECT_TRUE(seq.ok()) << seq.message();
-    if (!seq.ok()) return out;
-    std::vector<int32_t> seqs(ids.size(), 0), pos(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-    const int32_t slot = seq->slot();
-    Result<std::vector<float>> logits =
-        m.forward({ids, seqs, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)});
-    EXPECT_TRUE(logits.ok()) << logits.message();
-    if (logits.ok()) out.logits = *logits;
-  }
-  GenerateOptions gen;
-  gen.max_tokens = 12;
-  Result<GenerateResult> result = generate(m, ids, gen);
-  EXPECT_TRUE(result.ok()) << result.message();
-  if (result.ok()) out.greedy = result->output_ids;
-  return out;
+  return testing_support::run_prompt(m, ids, 12);
 }
 
 void expect_tp_equals_tp1(const fs::path& dir, const std::vector<int>& sizes) {

@@ -25,25 +25,15 @@
 #include "testing/compare.h"
 #include "core/json.h"
 #include "testing/files.h"
+#include "testing/model_runs.h"
 
 namespace e4kv {
 namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kQuantDir = fs::path(E4KV_SOURCE_DIR) / "tests" / "data" / "quant";
-
-std::vector<std::string> case_names() {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(kQuantDir, ec)) {
-    if (fs::exists(entry.path() / "quantized" / "config.json")) {
-      names.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
+const fs::path& kQuantDir = testing_support::quant_data_dir();
+using testing_support::quant_case_names;
 
 // The modules of `ckpt` stored in a quantized format.
 std::vector<std::string> quantized_modules(const Checkpoint& ckpt) {
@@ -63,7 +53,7 @@ float element(const SafetensorsTensor& t, int64_t i) {
 }
 
 TEST(QuantizedCheckpoint, EveryWeightDequantizesToTheScriptsValue) {
-  const std::vector<std::string> cases = case_names();
+  const std::vector<std::string> cases = quant_case_names();
   ASSERT_EQ(cases.size(), 7u) << kQuantDir << ": run scripts/make_quant_test_data.sh";
   auto backend = make_cpu_backend();
   for (const std::string& name : cases) {
@@ -172,55 +162,25 @@ TEST(QuantizedCheckpoint, SlicesAndRowBlocksAreThePartsOfTheWhole) {
   }
 }
 
-struct ModelRun {
-  std::vector<float> logits;
-  std::vector<int32_t> greedy;
-};
-
-ModelRun run_model(const fs::path& dir, const std::vector<int32_t>& ids, int64_t n_greedy) {
-  ModelRun run;
+testing_support::PromptRun run_model(const fs::path& dir, const std::vector<int32_t>& ids,
+                                     int64_t n_greedy) {
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
   EXPECT_TRUE(ckpt.ok()) << ckpt.message();
-  if (!ckpt.ok()) return run;
+  if (!ckpt.ok()) return {};
   auto backend = make_cpu_backend();
-  ModelOptions options;
-  options.kv_cache_dtype = KvCacheDtype::kF16;
-  options.block_size = 16;
-  options.n_blocks = 8;
-  options.max_model_len = 96;
-  Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
+  Result<std::unique_ptr<Model>> model =
+      load_model(*ckpt, *backend, testing_support::small_model_options());
   EXPECT_TRUE(model.ok()) << model.message();
-  if (!model.ok()) return run;
-  Model& m = **model;
-  {
-    BlockAllocator allocator(m.n_blocks(), m.block_size());
-    BlockTable table;
-    allocator.append(table, int64_t(ids.size()));
-    Result<ScopedSequence> seq = ScopedSequence::allocate(m);
-    EXPECT_TRUE(seq.ok()) << seq.message();
-    if (!seq.ok()) return run;
-    std::vector<int32_t> seqs(ids.size(), 0), pos(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-    const int32_t slot = seq->slot();
-    Result<std::vector<float>> logits =
-        m.forward({ids, seqs, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)});
-    EXPECT_TRUE(logits.ok()) << logits.message();
-    if (logits.ok()) run.logits = *logits;
-  }
-  GenerateOptions gen;
-  gen.max_tokens = n_greedy;
-  Result<GenerateResult> result = generate(m, ids, gen);
-  EXPECT_TRUE(result.ok()) << result.message();
-  if (result.ok()) run.greedy = result->output_ids;
-  return run;
+  if (!model.ok()) return {};
+  return testing_support::run_prompt(**model, ids, n_greedy);
 }
 
 TEST(QuantizedCheckpoint, LogitsAndGreedyMatchTheDequantizedCheckpoint) {
   const std::vector<int32_t> ids = {1, 17, 42, 7, 99, 3, 250, 64, 5, 128, 33, 2};
-  for (const std::string& name : case_names()) {
+  for (const std::string& name : quant_case_names()) {
     SCOPED_TRACE(name);
-    const ModelRun q = run_model(kQuantDir / name / "quantized", ids, 16);
-    const ModelRun d = run_model(kQuantDir / name / "dequantized", ids, 16);
+    const testing_support::PromptRun q = run_model(kQuantDir / name / "quantized", ids, 16);
+    const testing_support::PromptRun d = run_model(kQuantDir / name / "dequantized", ids, 16);
     ASSERT_FALSE(q.logits.empty());
     const double rel = test::compare(q.logits, d.logits, 0.0, 0.0).rel_l2;
     EXPECT_LE(rel, 1e-3);
