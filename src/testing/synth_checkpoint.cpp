@@ -173,8 +173,12 @@ void fill(const Spec& spec, uint64_t seed, uint64_t b0, uint64_t b1, std::byte* 
         const uint64_t any = (word | (word >> 1) | (word >> 2) | (word >> 3)) & kLowBits;
         word |= (~any & kLowBits) << 3;
       }
-      const uint64_t n = std::min<uint64_t>(8, b1 - b);
       std::byte* out = dst + (b - b0);
+      if (table == nullptr && b + 8 <= b1 && std::endian::native == std::endian::little) {
+        std::memcpy(out, &word, 8);  // byte k is bits 8k..8k+7: the little-endian layout
+        continue;
+      }
+      const uint64_t n = std::min<uint64_t>(8, b1 - b);
       for (uint64_t k = 0; k < n; ++k, word >>= 8) {
             const uint8_t byte = static_cast<uint8_t>(word & 0xff);
         out[k] = static_cast<std::byte>(table != nullptr ? (*table)[byte] : byte);
@@ -1042,7 +1046,7 @@ Status write_shards(const std::filesystem::path& dir, const Layout& layout, uint
     uint64_t begin, end;  // bytes of the tensor
     uint64_t offset;      // in the file
   };
-  std::vector<Item> items;
+  std::vector<std::vector<Item>> shard_items(n_shards);
   std::vector<std::filesystem::path> partial(n_shards);
   std::vector<int> fds(n_shards, -1);
   auto close_all = [&](bool remove) {
@@ -1066,7 +1070,7 @@ Status write_shards(const std::filesystem::path& dir, const Layout& layout, uint
     uint64_t offset = header.size();
     for (size_t i : members[k]) {
       for (uint64_t b = 0; b < layout.bytes[i]; b += kChunkBytes) {
-        items.push_back({k, i, b, std::min(layout.bytes[i], b + kChunkBytes), offset + b});
+        shard_items[k].push_back({k, i, b, std::min(layout.bytes[i], b + kChunkBytes), offset + b});
       }
       offset += layout.bytes[i];
     }
@@ -1083,6 +1087,18 @@ Status write_shards(const std::filesystem::path& dir, const Layout& layout, uint
       return st;
     }
   }
+
+  // The shards' chunks in turn: a write holds its file's lock (tmpfs, most file systems), so
+  // threads spread over the shards write at once where threads on one file would queue.
+  std::vector<Item> items;
+  for (size_t round = 0, left = 1; left > 0; ++round) {
+    left = 0;
+    for (const std::vector<Item>& list : shard_items) {
+      if (round < list.size()) items.push_back(list[round]);
+      left += round + 1 < list.size() ? 1 : 0;
+    }
+  }
+  shard_items.clear();
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};

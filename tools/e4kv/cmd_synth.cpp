@@ -1,5 +1,6 @@
 // e4kv synth-checkpoint OUT_DIR: writes a synthetic checkpoint (tests, demos, benchmarks), with
 // plain or quantized weights; --print-plan lays it out and prints its bytes without writing.
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -184,6 +185,8 @@ Status run_synth(const SynthArgs& args) {
   if (args.out_dir.empty()) {
     return Status::error("synth-checkpoint: OUT_DIR is required (or pass --print-plan)");
   }
+  // Options the generator refuses are reported before any directory is made.
+  E4KV_RETURN_IF_ERROR(plan_synth_checkpoint(options).status());
   if (options.with_tokenizer && options.vocab_size < kSynthTokenizerMinVocab) {
     return Status::error(cat("--vocab ", options.vocab_size, " is below the ",
                              kSynthTokenizerMinVocab,
@@ -198,7 +201,10 @@ Status run_synth(const SynthArgs& args) {
   // Built beside the target and renamed onto it, so a failure or a kill leaves no half-written
   // checkpoint under the final name.
   E4KV_ASSIGN_OR_RETURN(const std::filesystem::path temp, make_temporary_dir_for(dir));
+  const auto start = std::chrono::steady_clock::now();
   Status written = write_synth_checkpoint(temp, options);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (written.ok()) written = rename_path(temp, dir);
   if (!written.ok()) {
     std::error_code ec;
@@ -210,11 +216,12 @@ Status run_synth(const SynthArgs& args) {
   for (const auto& shard : ckpt.shards()) {
     for (const SafetensorsTensor& tensor : shard->tensors()) bytes += tensor.bytes.size();
   }
-  std::printf("wrote %s checkpoint to %s: %lld layers, %zu tensors, %llu bytes, %zu shard%s\n",
+  std::printf("wrote %s checkpoint to %s: %lld layers, %zu tensors, %llu bytes, %zu shard%s "
+              "in %.2f s (%.2f GB/s)\n",
               std::string(synth_family_name(options.family)).c_str(), dir.string().c_str(),
               static_cast<long long>(ckpt.config().n_layers), ckpt.tensor_names().size(),
               static_cast<unsigned long long>(bytes), ckpt.shards().size(),
-              ckpt.shards().size() == 1 ? "" : "s");
+              ckpt.shards().size() == 1 ? "" : "s", seconds, double(bytes) / 1e9 / seconds);
   return ok_status();
 }
 
