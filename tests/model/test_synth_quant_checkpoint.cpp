@@ -2,7 +2,8 @@
 // runtime's loader and run on the CPU backend, their codes and scales dequantize to weights of the
 // float initialiser's magnitude, the streaming writer writes what write_safetensors makes of the
 // in-memory checkpoint, the bytes do not depend on the thread count, config.json's
-// quantization_config reads back, and the plan of the published Qwen4Exp size adds up.
+// quantization_config reads back, and the plan of the published Qwen4Exp size adds up and agrees
+// with the memory plan `e4kv capacity` reads from the written headers.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "core/json.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "kv/weight_memory.h"
 #include "kv/block_allocator.h"
 #include "model/model.h"
 #include "model/weights.h"
@@ -460,6 +462,35 @@ TEST(SynthQuantCheckpoint, PublishedPlanAddsUp) {
   EXPECT_EQ((*config)["vocab_size"], 248320);
   EXPECT_EQ((*config)["quantization_config"]["group_size"], 32);
   std::printf("%s", text.c_str());
+}
+
+// The plan agrees with what `e4kv capacity` reads from the written headers (kv/weight_memory.h):
+// the device bytes are the plan's, less the PLE n-gram table (host memory), plus AWQ's zero points
+// widened to a byte each (twice the packed qzeros); the routed experts with their router are the
+// moe_experts kind.
+TEST(SynthQuantCheckpoint, PlanAgreesWithTheCapacityMemoryPlan) {
+  testing_support::TempDir tmp;
+  const SynthCheckpointOptions o =
+      with_quant(small_qwen4exp(), kCases[0], SynthQuantScope::kExperts);
+  Result<SynthPlan> plan = plan_synth_checkpoint(o);
+  ASSERT_TRUE(plan.ok()) << plan.message();
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path() / "q", o).ok());
+  Result<WeightMemory> memory = weight_memory(tmp.path() / "q");
+  ASSERT_TRUE(memory.ok()) << memory.message();
+  int64_t ple_table = 0, qzeros = 0, experts = 0;
+  for (const SynthPlanTensor& t : plan->tensors) {
+    if (t.name.ends_with("ngram_embedding.weight")) ple_table += int64_t(t.bytes);
+    if (t.name.ends_with(".qzeros")) qzeros += int64_t(t.bytes);
+    if (t.name.find(".mlp.experts.") != std::string::npos || t.name.ends_with(".mlp.gate.weight")) {
+      experts += int64_t(t.bytes);
+    }
+  }
+  ASSERT_GT(ple_table, 0);
+  ASSERT_GT(qzeros, 0);
+  EXPECT_EQ(memory->quantization, "awq");
+  EXPECT_EQ(memory->ple_checkpoint_bytes, ple_table);
+  EXPECT_EQ(memory->device_total(), int64_t(plan->total_bytes) - ple_table + qzeros);
+  EXPECT_EQ(memory->device_bytes[size_t(WeightKind::kMoeExperts)], experts + qzeros);
 }
 
 // Options the loader could not read are refused before anything is made.
