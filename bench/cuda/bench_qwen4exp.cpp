@@ -18,10 +18,15 @@
 // One decode step of every cell is profiled by section (StepProfiler, backend/profiler.h),
 // isolated and in place: the per-layer-kind timeline of where the step's time goes.
 //
-// Usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] [--contexts 4096,...]
-//        [--cache fp16|e4m3|both] [--keep-checkpoint DIR [--checkpoint-only]]
-//        [--calibration-context N]
+// Usage: e4kv_bench_qwen4exp [out.json] [--small | --published] [--quant none|awq-g32]
+//        [--batches 1,8,32] [--contexts 4096,...] [--cache fp16|e4m3|both]
+//        [--keep-checkpoint DIR [--checkpoint-only]] [--calibration-context N] [--print-plan]
 // (--small: 8 layers, 8 experts, vocab 8192, contexts 4K and 8K, for a quick check of the harness;
+// --published: the published size, 512 experts (published_qwen4exp_options, testing/
+// synth_checkpoint.h), in shards of 4 GB; --quant awq-g32: the routed experts in AutoAWQ's GEMM
+// layout with groups of 32 columns and zero points (about 45 GB at the published size), the rest
+// FP16; --print-plan: print the checkpoint's bytes by tensor kind and exit, writing nothing and
+// needing no GPU;
 // --keep-checkpoint: write the checkpoint to DIR, or reuse it from there, and keep it;
 // --checkpoint-only: only write it (for `e4kv bench` on the same checkpoint, bench/serving_gpu.sh);
 // --calibration-context N: also time an FP16 prefill of N tokens with the calibration statistics
@@ -114,6 +119,14 @@ double copy_read_rate() {
   return median(rates);
 }
 
+// Bytes per routed-expert weight: FP16, or AWQ's 4-bit code plus an FP16 scale and a 4-bit zero
+// point per group.
+double expert_bytes_per_weight(const SynthCheckpointOptions& o) {
+  if (o.quant != SynthQuant::kAwq) return 2.0;
+  const double g = double(o.quant_group);
+  return 0.5 + 2.0 / g + (o.quant_zero_point ? 0.5 / g : 0.0);
+}
+
 // Bytes one batch-1 decode step at `context` must read (see the head comment).
 double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype dtype) {
   const double h = double(o.hidden_size);
@@ -123,8 +136,10 @@ double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype
   const double kd = double(o.linear_key_heads * o.linear_head_dim);
   const double vd = double(o.linear_value_heads * o.linear_head_dim);
   const double hc = 2 * (2 * width * double(o.hc_lowrank) + double(o.hc_count) * width);
+  // Routed experts in FP16-weight equivalents, so that the sum below stays in FP16 weights.
   const double moe = double(o.n_experts) * h +
-                     double(o.experts_top_k) * 3 * h * double(o.moe_intermediate_size) +
+                     double(o.experts_top_k) * 3 * h * double(o.moe_intermediate_size) *
+                         expert_bytes_per_weight(o) / 2.0 +
                      3 * h * double(o.shared_expert_intermediate_size) + h;
   const double qsa =
       2 * q_dim * h + 2 * kv_dim * h + q_dim * h + double((o.index_heads + 1) * o.index_dim) * h;
@@ -352,6 +367,9 @@ void json_sections(FILE* f, const char* key, const std::vector<ProfileSection>& 
 int main(int argc, char** argv) {
   const char* json_path = "qwen4exp.json";
   bool small = false;
+  bool published = false;
+  bool print_plan = false;
+  std::string quant = "none";
   std::vector<int64_t> batches = {1, 8, 32};
   std::vector<int64_t> contexts;
   std::vector<KvCacheDtype> caches = {KvCacheDtype::kF16, KvCacheDtype::kE4m3};
@@ -363,6 +381,13 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     if (arg == "--small") {
       small = true;
+    } else if (arg == "--published") {
+      published = true;
+    } else if (arg == "--print-plan") {
+      print_plan = true;
+    } else if (arg == "--quant" && has_value) {
+      quant = argv[++i];
+      if (quant != "none" && quant != "awq-g32") die("--quant " + quant + ": expected none or awq-g32");
     } else if (arg == "--batches" && has_value) {
       batches = parse_list("--batches", argv[++i]);
     } else if (arg == "--contexts" && has_value) {
@@ -386,44 +411,49 @@ int main(int argc, char** argv) {
       json_path = argv[i];
     } else {
       die("unknown argument " + arg +
-          "; usage: e4kv_bench_qwen4exp [out.json] [--small] [--batches 1,8,32] "
-          "[--contexts 4096,32768,131072] [--cache fp16|e4m3|both] [--keep-checkpoint DIR "
-          "[--checkpoint-only]] [--calibration-context N]");
+          "; usage: e4kv_bench_qwen4exp [out.json] [--small | --published] [--quant "
+          "none|awq-g32] [--batches 1,8,32] [--contexts 4096,32768,131072] [--cache "
+          "fp16|e4m3|both] [--keep-checkpoint DIR [--checkpoint-only]] [--calibration-context N] "
+          "[--print-plan]");
     }
   }
+  if (small && published) die("--small and --published: pass one of them");
   if (checkpoint_only && keep.empty()) die("--checkpoint-only needs --keep-checkpoint DIR");
   if (contexts.empty()) {
     contexts = small ? std::vector<int64_t>{4096, 8192} : std::vector<int64_t>{4096, 32768, 131072};
+  }
+  // The published shape; by default with 64 experts in one file (the earlier runs' checkpoint).
+  SynthCheckpointOptions synth = published_qwen4exp_options();
+  if (!published) {
+    synth.n_experts = 64;
+    synth.max_shard_bytes = 0;
+  }
+  if (small) {
+    synth.n_layers = 8;
+    synth.vocab_size = 8192;
+    synth.n_experts = 8;
+    synth.experts_top_k = 2;
+  }
+  if (quant == "awq-g32") {
+    synth.quant = SynthQuant::kAwq;
+    synth.quant_group = 32;
+    synth.quant_scope = SynthQuantScope::kExperts;
+  }
+  const std::string weights_text =
+      quant == "awq-g32" ? "AWQ W4A16 g32 experts, FP16 other weights" : "FP16 weights";
+  if (print_plan) {
+    Result<SynthPlan> plan = plan_synth_checkpoint(synth);
+    if (!plan.ok()) die(plan.message());
+    std::printf("Qwen4Exp synthetic, %lld layers, %lld experts top-%lld, %s\n%s",
+                static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
+                static_cast<long long>(synth.experts_top_k), weights_text.c_str(),
+                format_synth_plan(*plan).c_str());
+    return 0;
   }
   if (cuda::device_count() == 0) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
   }
-  SynthCheckpointOptions synth;
-  synth.family = SynthFamily::kQwen4Exp;
-  synth.n_layers = small ? 8 : 48;
-  synth.hidden_size = 2048;
-  synth.n_heads = 24;
-  synth.n_kv_heads = 2;
-  synth.head_dim = 256;
-  synth.vocab_size = small ? 8192 : 248320;
-  synth.index_heads = 4;
-  synth.index_dim = 128;
-  synth.index_budget = 2048;
-  synth.index_ratio = 4;
-  synth.linear_key_heads = 16;
-  synth.linear_value_heads = 32;
-  synth.linear_head_dim = 128;
-  synth.linear_conv_kernel = 4;
-  synth.hc_count = 4;
-  synth.hc_lowrank = 320;
-  synth.n_experts = small ? 8 : 64;
-  synth.experts_top_k = small ? 2 : 10;
-  synth.moe_intermediate_size = 512;
-  synth.shared_expert_intermediate_size = 512;
-  synth.ple_layer = 0;
-  synth.dtype = DType::kF16;
-  synth.max_total_bytes = uint64_t(64) << 30;
   // --keep-checkpoint DIR: written there (or reused when DIR already holds it) and kept, so
   // that transformers can load the same checkpoint (bench/peer_qwen4exp.py).
   const fs::path dir = keep.empty() ? fs::temp_directory_path() / "e4kv_bench_qwen4exp" : fs::path(keep);
@@ -434,7 +464,13 @@ int main(int argc, char** argv) {
     if (keep.empty()) fs::remove_all(dir);
     const auto t_write = std::chrono::steady_clock::now();
     if (Status st = write_synth_checkpoint(dir, synth); !st.ok()) die(st.message());
-    std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s\n", seconds_since(t_write));
+    const double write_s = seconds_since(t_write);
+    uint64_t bytes = 0;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.is_regular_file()) bytes += entry.file_size();
+    }
+    std::fprintf(stderr, "bench_qwen4exp: checkpoint written in %.1f s (%.2f GB, %.2f GB/s)\n",
+                 write_s, double(bytes) / 1e9, double(bytes) / 1e9 / write_s);
   }
   if (checkpoint_only) return 0;
   Result<Checkpoint> ckpt = Checkpoint::open(dir);
@@ -459,19 +495,19 @@ int main(int argc, char** argv) {
   if (keep.empty()) fs::remove_all(dir);
 
   std::printf(
-      "model: Qwen4Exp synthetic, %lld layers, %lld experts top-%lld, FP16 weights; "
+      "model: Qwen4Exp synthetic, %lld layers, %lld experts top-%lld, %s; "
       "copy read rate %.0f GB/s\n",
       static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
-      static_cast<long long>(synth.experts_top_k), rate / 1e9);
+      static_cast<long long>(synth.experts_top_k), weights_text.c_str(), rate / 1e9);
   std::printf("%-6s %6s %8s %10s %12s %12s %14s\n", "cache", "batch", "context", "step_ms",
               "bound_ms", "step/bound", "prefill_tok/s");
   FILE* f = std::fopen(json_path, "w");
   if (f == nullptr) return 1;
   std::fprintf(f,
-               "{\"layers\": %lld, \"experts\": %lld, \"top_k\": %lld, \"copy_read_rate\": %.0f, "
-               "\"rows\": [\n",
+               "{\"layers\": %lld, \"experts\": %lld, \"top_k\": %lld, \"weights\": \"%s\", "
+               "\"copy_read_rate\": %.0f, \"rows\": [\n",
                static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
-               static_cast<long long>(synth.experts_top_k), rate);
+               static_cast<long long>(synth.experts_top_k), quant.c_str(), rate);
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const KvCacheDtype dtype = r.cache == "e4m3" ? KvCacheDtype::kE4m3 : KvCacheDtype::kF16;

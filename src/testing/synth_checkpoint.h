@@ -1,8 +1,10 @@
-// Small synthetic Hugging Face checkpoints with deterministic pseudo-random weights, for tests and
-// demos: a dense Llama model or a Qwen4Exp model in transformers' layout (QSA every 4th layer,
+// Synthetic Hugging Face checkpoints with deterministic pseudo-random weights, for tests, demos and
+// benchmarks: a dense Llama model or a Qwen4Exp model in transformers' layout (QSA every 4th layer,
 // GatedDeltaNet otherwise, hyper-connections, MoE with a shared expert, optional PLE) that the
-// runtime loads. Weights come from splitmix64 with a fixed seed, so two calls with the same options
-// produce identical bytes.
+// runtime loads, with plain or quantized linear weights (AWQ, NVFP4, FP8 blocks in the public
+// tools' layouts, scripts/quantize_checkpoint.py). Weights come from splitmix64 with a fixed seed,
+// one counter-based stream per tensor, so two calls with the same options produce identical bytes
+// and any part of a tensor can be generated on its own (the streaming writer's threads do).
 #pragma once
 
 #include <cstddef>
@@ -28,6 +30,25 @@ enum class SynthFamily {
 // "llama" | "qwen4exp" | "mistral" | "qwen2" | "qwen3".
 Result<SynthFamily> parse_synth_family(std::string_view name);
 std::string_view synth_family_name(SynthFamily family);
+
+// Quantized linear weights, generated directly as random codes and scales (no float weights are
+// made and quantized): the dequantized values have about the magnitude of the float initialiser's
+// (uniform in +-1/sqrt(fan_in)), so a model's activations stay as sane as with float weights.
+enum class SynthQuant {
+  kNone,
+  kAwq,       // AutoAWQ GEMM: qweight I32 [in, out/8], qzeros I32 [in/G, out/8], scales F16 [in/G, out]
+  kNvfp4,     // compressed-tensors nvfp4-pack-quantized: weight_packed, weight_scale, global scales
+  kFp8Block,  // FP8 E4M3 weight [out, in] + weight_scale_inv F32 [ceil(out/B), ceil(in/B)]
+};
+// Which linear modules are quantized.
+enum class SynthQuantScope {
+  kAllLinear,  // the decoder layers' projections scripts/quantize_checkpoint.py quantizes
+  kExperts,    // only mlp.experts.E.{gate,up,down}_proj (Qwen4Exp), everything else dense
+};
+
+// "none" | "awq" | "nvfp4" | "fp8-block"; "all-linear" | "experts".
+Result<SynthQuant> parse_synth_quant(std::string_view name);
+Result<SynthQuantScope> parse_synth_quant_scope(std::string_view name);
 
 struct SynthCheckpointOptions {
   SynthFamily family = SynthFamily::kLlama;
@@ -77,7 +98,29 @@ struct SynthCheckpointOptions {
   int64_t shared_expert_intermediate_size = 32;
   int64_t ple_layer = -1;         // zero-based layer with PLE; -1: none
   int64_t ple_ngram_base = 1000;  // ngram_vocab_size_base: small, so the n-gram table is small
+
+  // Quantized weights. quant_group: AWQ's group size (32, 64 or 128) or FP8's block size (rows and
+  // columns); unused for NVFP4 (16). quant_zero_point: AWQ only (false: symmetric, no qzeros).
+  // A module whose shape the format cannot pack stays dense and is listed as not converted, as the
+  // tools do.
+  SynthQuant quant = SynthQuant::kNone;
+  SynthQuantScope quant_scope = SynthQuantScope::kAllLinear;
+  int64_t quant_group = 128;
+  bool quant_zero_point = true;
+
+  // > 0: shards of at most this many bytes of tensor data in file order (a larger tensor gets a
+  // shard of its own), as save_pretrained's max_shard_size does; n_shards is then ignored.
+  uint64_t max_shard_bytes = 0;
+  // Threads of write_synth_checkpoint; 0: one per hardware thread. The bytes do not depend on it.
+  int n_threads = 0;
 };
+
+// The published Qwen4Exp text model's shape (48 layers, hidden 2048, 24 q / 2 KV heads x 256,
+// DeltaNet 16 key / 32 value heads x 128, indexer 4 x 128 with budget 2048 and ratio 4,
+// hyper-connections 4 x rank 320, 512 experts of width 512 with top-10 and a shared expert of 512,
+// vocab 248320), with PLE on layer 0 over a small n-gram table, FP16 weights, shards of 4 GB and
+// room for 64 GiB.
+SynthCheckpointOptions published_qwen4exp_options();
 
 struct SynthTensor {
   std::string name;
@@ -94,14 +137,39 @@ struct SynthCheckpoint {
   std::vector<std::string> shard_names;
 };
 
+// The checkpoint's tensors and files without their data: what write_synth_checkpoint writes.
+struct SynthPlanTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  size_t shard = 0;
+};
+struct SynthPlan {
+  std::string config_json;
+  std::vector<SynthPlanTensor> tensors;  // in file order
+  std::vector<std::string> shard_names;
+  uint64_t total_bytes = 0;  // tensor data, all shards
+};
+
 // Validates the options (positive sizes, heads divisible by kv heads, a supported dtype, 1 <=
-// shards
-// <= tensor count, ...) and builds the whole checkpoint in memory.
+// shards <= tensor count, a quantization the loader reads, at most max_total_bytes, ...) and lays
+// out the checkpoint; generates nothing.
+Result<SynthPlan> plan_synth_checkpoint(const SynthCheckpointOptions& options);
+
+// The plan as text: bytes by tensor kind (the name with layer and expert numbers as *), dtype and
+// shape, then by part of the model, then the total and the shards.
+std::string format_synth_plan(const SynthPlan& plan);
+
+// Builds the whole checkpoint in memory (small checkpoints: tests).
 Result<SynthCheckpoint> make_synth_checkpoint(const SynthCheckpointOptions& options);
 
-// Writes make_synth_checkpoint(options) into `dir` (created if needed): config.json, the
-// safetensors file(s), when sharded model.safetensors.index.json, and with_tokenizer the
-// tokenizer files.
+// Writes the checkpoint into `dir` (created if needed): config.json, the safetensors file(s), when
+// sharded model.safetensors.index.json, and with_tokenizer the tokenizer files. Streams: each
+// shard is sized up front and n_threads threads generate chunks of a few MiB straight into it,
+// so memory stays bounded whatever the checkpoint's size; the files are byte for byte what
+// write_safetensors makes of make_synth_checkpoint(options). Each shard is written under a
+// temporary name and renamed when complete.
 Status write_synth_checkpoint(const std::filesystem::path& dir,
                               const SynthCheckpointOptions& options);
 
