@@ -1,5 +1,5 @@
 // Decode attention benchmark: e4kv paged decode over FP16 and E4M3 (software and native decode)
-// caches at the issue's shapes, plus the device-to-device copy bandwidth as the ceiling. Prints a
+// caches at the target shapes, plus the device-to-device copy bandwidth as the ceiling. Prints a
 // table and writes JSON (argv[1], default decode_attention.json). Times: see time_ms (launches
 // from the host, back to back) and graph_us (the same launches replayed from a CUDA graph, so host
 // launch overhead is out); bytes are the K and V bytes the launch must read. With "sweep" as

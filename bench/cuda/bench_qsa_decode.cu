@@ -1,4 +1,4 @@
-// QSA decode benchmark, end to end: one decode step of the issue's shape (batch 4, 16 q heads, 2 KV
+// QSA decode benchmark, end to end: one decode step of the target shape (batch 4, 16 q heads, 2 KV
 // heads, head_dim 256, 128K context, block size 64; QSA budget 2048, indexer 4 heads x 128 dims,
 // ratio 4; --batch N for other batch sizes), dense FP16 paged decode beside the full QSA step in
 // one process. The QSA step is
@@ -67,7 +67,7 @@ using e4kv::bench::upload;
 using namespace e4kv;
 using namespace e4kv::cuda;
 
-// Decode rows (sequences), one per row: 4 by default (the issue's 128K shape), --batch N.
+// Decode rows (sequences), one per row: 4 by default (the 128K target shape), --batch N.
 int64_t g_batch = 4;
 constexpr int64_t kHeads = 16;
 constexpr int64_t kKvHeads = 2;

@@ -1,4 +1,4 @@
-// The Qwen4Exp model on the CUDA backend (issue 22's benchmark): a synthetic checkpoint with the
+// The Qwen4Exp model on the CUDA backend: a synthetic checkpoint with the
 // published model's layer structure and the configuration defaults where nothing is published
 // (48 layers, every 4th QSA; hidden 2048; 24 q / 2 KV heads x 256, partial rotary 0.25; DeltaNet
 // 16 key / 32 value heads x 128, conv 4; indexer 4 heads x 128, budget 2048, ratio 4;
@@ -186,7 +186,7 @@ double prefill(Model& model, BlockAllocator& allocator, BlockTable& table, int32
   return seconds_since(t0);
 }
 
-// The calibration observer's cost (issue 23): prefill of one sequence to `context` with the
+// The calibration observer's cost: prefill of one sequence to `context` with the
 // statistics off and on, alternating, kCalibrationReps times each; the medians.
 struct CalibrationCost {
   int64_t context = 0;

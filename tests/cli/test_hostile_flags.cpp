@@ -1,4 +1,4 @@
-// Every numeric flag of every e4kv command under hostile values (issue 20): 0, -1, 2^31, 2^53,
+// Every numeric flag of every e4kv command under hostile values: 0, -1, 2^31, 2^53,
 // 2^62, 2^63 - 1, nan, inf, 1e999 and 0x10, each on an otherwise valid command line. Every run must
 // end normally within a time limit (never a signal, never a hang, no sanitizer report) and either
 //   - succeed, when the value is valid for that flag (kValid lists each such (command, flag,

@@ -1,4 +1,4 @@
-// The quality suite's short version on the embedded model (models/tiny-qwen4exp; issue 24,
+// The quality suite's short version on the embedded model (models/tiny-qwen4exp;
 // docs/quality.md), through the built e4kv program: calibrate on the first documents of
 // data/tiny/calibration.jsonl -> summarize (absmax) -> overlay -> compare FP16 KV, calibrated
 // E4M3 KV and unit-scale E4M3 KV (the negative control) on the first evaluation documents of

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The tiny Qwen4Exp model of issue 24: every architecture number in one place.
+"""The tiny Qwen4Exp model: every architecture number in one place.
 
 train.py builds the transformers config from `config_kwargs()` (field names as
 scripts/hf_reference_qwen4exp.py uses them with transformers 5.17) and checks the model it gets
@@ -36,7 +36,7 @@ import math
 
 VOCAB_SIZE = 8192
 EOS_ID = 8189                  # <|endoftext|> of make_data.py's tokenizer
-MAX_WEIGHT_BYTES = 25_000_000  # issue 24: at most 25 MB of weights
+MAX_WEIGHT_BYTES = 25_000_000  # the embedded model's limit: at most 25 MB of weights
 MAX_CONTEXT = 8192
 
 HIDDEN = 256

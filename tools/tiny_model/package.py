@@ -6,7 +6,7 @@
 EXPORT_DIR is what `train.py --export` wrote under its $OUT (model/ with config.json,
 generation_config.json, the safetensors shards and their index, training.json); DATA_DIR is
 make_data.py's output (tokenizer.json, tokenizer_config.json with the chat template, meta.json,
-calibration.jsonl, eval.jsonl). Checks the issue's limits (at most 25 MB of weights, at least two
+calibration.jsonl, eval.jsonl). Checks the embedded model's limits (at most 25 MB of weights, at least two
 shards with an index) and writes the model card (README.md) from training.json and meta.json.
 Refuses to replace an existing model directory without --force.
 """

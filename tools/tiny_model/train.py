@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the tiny Qwen4Exp model of issue 24 with transformers' own Qwen4Exp implementation.
+"""Train the tiny Qwen4Exp model with transformers' own Qwen4Exp implementation.
 
 Runs on the GPU machine (torch, transformers 5.17, tokenizers, safetensors), in calls of a few
 minutes: each call reads the state a previous call wrote (FP16 weights and counters), trains until
