@@ -473,9 +473,14 @@ void Server::handle_generate(bool chat, const httplib::Request& req, httplib::Re
                        [this, exchange](const api::CompletionOutput& out) {
                          // Counted here, where every request's last output arrives (also a
                          // dropped stream's "abort"): once per request, by its last reason.
-                         if (out.request_finished) metrics_.count_finished(out.finish_reason);
+                         // It leaves in_flight_ before its handler can answer, so a client
+                         // never sees its answer while the server still counts it (shutdown
+                         // also waits for the handlers themselves: active_).
+                         if (out.request_finished) {
+                           metrics_.count_finished(out.finish_reason);
+                           remove_in_flight(out.request_id);
+                         }
                          exchange->push(out);
-                         if (out.request_finished) remove_in_flight(out.request_id);
                        });
     if (!submitted.ok()) {
       return send_error(res, ApiError{400, submitted.message(), submitted.status().field()});

@@ -166,7 +166,8 @@ const std::vector<CommandSpec>& commands() {
        Output::kDirectory,
        false,
        [](const Paths& p) -> std::vector<std::string> {
-         return {"synth-checkpoint", p.out.string()};
+         // Qwen4Exp with AWQ weights: every shape and quantization flag applies.
+         return {"synth-checkpoint", p.out.string(), "--family", "qwen4exp", "--quant", "awq"};
        },
        {{"--layers", "1"},
         {"--shards", "1"},
@@ -175,7 +176,27 @@ const std::vector<CommandSpec>& commands() {
         {"--heads", "2"},
         {"--kv-heads", "1"},
         {"--head-dim", "16"},
-        {"--vocab", "256"}}},
+        {"--vocab", "256"},
+        {"--expert-width", "16"},
+        {"--experts", "4"},
+        {"--hc-count", "2"},
+        {"--hc-lowrank", "8"},
+        {"--index-budget", "32"},
+        {"--index-dim", "16"},
+        {"--index-heads", "2"},
+        {"--intermediate-size", "64"},
+        {"--linear-head-dim", "8"},
+        {"--linear-key-heads", "2"},
+        {"--linear-value-heads", "4"},
+        {"--max-shard-mb", "1"},
+        {"--max-total-gib", "1"},
+        {"--ple-layer", "0"},
+        {"--ple-ngram-base", "100"},
+        {"--quant-group", "32"},
+        {"--shared-expert-width", "16"},
+        {"--threads", "1"},
+        {"--top-k", "1"}},
+       {"--shards", "--max-shard-mb"}},
       {"synth-stats",
        Output::kFile,
        false,
@@ -250,6 +271,9 @@ const std::map<std::pair<std::string, std::string>, std::set<std::string>>& vali
     // Any 64-bit unsigned seed.
     v[{"generate", "--seed"}] = zero_and_large;
     v[{"synth-checkpoint", "--seed"}] = zero_and_large;
+    // 0 is the first layer, -1 no PLE layer; 0 threads is one per hardware thread.
+    v[{"synth-checkpoint", "--ple-layer"}] = {"0", "-1"};
+    v[{"synth-checkpoint", "--threads"}] = {"0"};
     v[{"synth-stats", "--seed"}] = zero_and_large;
     // 0 = the whole prompt in one forward.
     v[{"generate", "--prefill-chunk"}] = {"0"};
