@@ -146,6 +146,7 @@ ordered_json build_report(const Checkpoint& ckpt) {
   report["model_type"] = c.model_type;
   report["nested_text_config"] = c.nested_text_config;
   report["dtype"] = c.torch_dtype;
+  report["quantization"] = c.quant.describe();
   report["vocab_size"] = c.vocab_size;
   report["hidden_size"] = c.hidden_size;
   report["intermediate_size"] = c.intermediate_size;
@@ -273,6 +274,7 @@ void print_text(const ordered_json& r) {
   line("model_type", text_or_dash(r["model_type"]) +
                          (r["nested_text_config"].get<bool>() ? " (from text_config)" : ""));
   line("dtype", text_or_dash(r["dtype"]));
+  line("quantization", r["quantization"].get<std::string>());
   line("vocab", cat(r["vocab_size"].get<int64_t>(), ", hidden ", r["hidden_size"].get<int64_t>(),
                     ", intermediate ", r["intermediate_size"].get<int64_t>(), ", max positions ",
                     r["max_position_embeddings"].get<int64_t>(), ", tied embeddings ",
