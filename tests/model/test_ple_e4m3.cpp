@@ -24,6 +24,7 @@
 #include "io/safetensors.h"
 #include "model/ple_ngram.h"
 #include "testing/files.h"
+#include "testing/model_runs.h"
 #include "testing/synth_checkpoint.h"
 
 namespace e4kv {
@@ -218,15 +219,7 @@ TEST(PleE4m3, SynthTableEveryRowEveryDtypeAndTheCacheSharesIt) {
 }
 
 Result<std::vector<float>> all_logits(Model& model, const std::vector<int32_t>& ids) {
-  BlockAllocator allocator(model.n_blocks(), model.block_size());
-  BlockTable table;
-  allocator.append(table, int64_t(ids.size()));
-  E4KV_ASSIGN_OR_RETURN(ScopedSequence sequence, ScopedSequence::allocate(model));
-  const int32_t slot = sequence.slot();
-  std::vector<int32_t> seq(ids.size(), 0), pos(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) pos[i] = int32_t(i);
-  const ForwardBatch batch{ids, seq, pos, {&table}, pos, std::span<const int32_t>(&slot, 1)};
-  return model.forward(batch);
+  return testing_support::prompt_logits(model, ids);
 }
 
 // A Qwen4Exp model with PLE runs on the E4M3 table: the logits move (the table is read), by less
