@@ -9,6 +9,7 @@
 #   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
 #   PHASE=serve     e4kv serve (E4M3, SERVE_BLOCKS blocks: small enough to preempt) under
 #                   bench/serve_load.py: 64 clients for LOAD_SECONDS, token-id prompts
+# BENCH_FLAGS: more `e4kv bench` flags for every run (--enforce-eager: no decode-step graphs).
 # Results (bench.json/md/svg per run, logs) go to $OUT. Usage: PHASE=... bench/serving_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ bench() {  # bench NAME LIMIT_S ARGS...
   local name=$1 limit=$2; shift 2
   local t0; t0=$(date +%s)
   timeout "$limit" $B/e4kv bench "$CKPT" --device cuda --kv-scales unit --no-progress \
-    --out "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+    --out "$OUT/$name" ${BENCH_FLAGS:-} "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc $(($(date +%s) - t0)) s"
   cat "$OUT/$name.log"

@@ -116,6 +116,9 @@ struct EngineConfig {
   int64_t max_model_len = 0;           // prompt plus output; 0: max_position_embeddings
   int64_t max_num_seqs = 0;            // requests running at once; 0: 64
   int64_t max_num_batched_tokens = 0;  // rows of one forward; 0: min(max_model_len, 8192)
+  // Every step op by op: no CUDA graphs of the decode step (captured per batch-size bucket and
+  // replayed; on by default on CUDA, where they cut the host's launch cost).
+  bool enforce_eager = false;
   // The KV cache pool, sized by at most one of these. None: a pool that holds one sequence of
   // max_model_len tokens (the least that can serve every request; more requests then take turns).
   std::optional<int64_t> kv_cache_memory_bytes;    // blocks and per-sequence states in this

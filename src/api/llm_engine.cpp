@@ -129,7 +129,8 @@ class LLMEngine::Impl {
         tokenizer_(std::move(tokenizer)),
         eos_ids_(std::move(eos_ids)),
         engine_(*loaded_.model,
-                e4kv::EngineConfig{config.max_num_batched_tokens, config.max_num_seqs}) {
+                e4kv::EngineConfig{config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.enforce_eager}) {
     if (tokenizer_) processor_.emplace(*tokenizer_);
     stats_.kv_blocks_total = loaded_.model->n_blocks();
     stats_.block_size = loaded_.model->block_size();

@@ -201,16 +201,19 @@ Result<int64_t> blocks_for_utilization(const ModelSetup& setup, const Checkpoint
   backend.synchronize();
   Result<DeviceMemoryInfo> info = backend.device_memory();
   if (!info.ok()) return flag_error(info.message());
-  const int64_t pool_in_use =
-      options.n_blocks * layout.block_bytes(options.kv_cache_dtype) +
-      limits.max_seqs * model.memory().bytes_per_sequence;
+  // The model holds one scratch block and one scratch state slot beyond the pool (the padding rows
+  // of graph-replayed decode steps, ForwardBatch::pad_to): counted here and left out of the budget.
+  const int64_t block_bytes = layout.block_bytes(options.kv_cache_dtype);
+  const int64_t pool_in_use = (options.n_blocks + 1) * block_bytes +
+                              (limits.max_seqs + 1) * model.memory().bytes_per_sequence;
   slots.clear();
   provisional->reset();
   Result<int64_t> budget = kv_budget_for_utilization(
       info->total_bytes, utilization, info->total_bytes - info->free_bytes, pool_in_use);
   if (!budget.ok()) return flag_error(budget.message());
-  Result<KvCapacity> capacity =
-      kv_capacity(layout, options.kv_cache_dtype, *budget, limits.max_seqs);
+  Result<KvCapacity> capacity = kv_capacity(
+      layout, options.kv_cache_dtype, std::max<int64_t>(0, *budget - block_bytes),
+      limits.max_seqs + 1);
   if (!capacity.ok()) return flag_error(capacity.message());
   return capacity->n_blocks;
 }

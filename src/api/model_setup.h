@@ -58,6 +58,9 @@ struct ModelSetup {
   // The model's limits (ModelOptions::max_seqs, max_batch_tokens); 0: the model's defaults.
   int64_t max_seqs = 0;
   int64_t max_batch_tokens = 0;
+  // The engine runs every step op by op (EngineConfig::enforce_eager; no decode-step graphs).
+  // Read by the commands that build an engine; loading ignores it.
+  bool enforce_eager = false;
   // How an error names an option given its field name ("block_size"); null: the field name.
   std::string (*option_name)(std::string_view field) = nullptr;
 };

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -157,6 +158,14 @@ class KvWriteStats {
   virtual std::pair<KvTensorStats, KvTensorStats> read() = 0;
   // Zeroes the accumulators (ordered with the backend's ops).
   virtual void reset() = 0;
+};
+
+// A recorded sequence of a backend's ops (a CUDA graph on a CUDA backend): replay() issues them
+// again, in order with the backend's other ops, on whatever the device buffers they read hold then.
+class BackendGraph {
+ public:
+  virtual ~BackendGraph() = default;
+  virtual Status replay() = 0;
 };
 
 class Backend {
@@ -342,6 +351,22 @@ class Backend {
   // Off: a forward that outgrows a reserved workspace fails instead of growing it (tests, debug
   // builds). On by default in release builds, off in debug builds.
   virtual void allow_workspace_growth(bool /*allowed*/) {}
+
+  // ---- graphs of the decode step (engine/step_graphs.h) ----
+  // Whether capture_graph records here (CUDA; the CPU backend only when emulating, for tests).
+  virtual bool supports_graphs() const { return false; }
+  // Records what `issue` launches on this backend without running it; the graph's replay() runs
+  // it. `issue` must only launch: an allocation, a wait for the device or a copy from pageable
+  // memory fails the capture (CUDA's global capture mode). Errors: no graphs here, `issue`'s own
+  // error, an op the capture cannot hold.
+  virtual Result<std::unique_ptr<BackendGraph>> capture_graph(
+      const std::function<Status()>& /*issue*/) {
+    return Status::error(cat(name(), ": this backend does not record graphs"));
+  }
+  // A hash of the launch parameters the step's host half chose (the attention plans' split
+  // counts, ...): a graph captured after one step's host half replays another's only where the
+  // signatures are equal. 0 where nothing is planned per step.
+  virtual uint64_t launch_signature() const { return 0; }
 
   // Grouped RMSNorm: x [n_rows, n_groups, dim] act, each group row normalised over its dim,
   // gain weight[g * dim + i] (kWeight) or 1 + weight[...] (kOnePlusWeight); weight: [n_groups *

@@ -30,7 +30,9 @@ SchedulerConfig scheduler_config(const Model& model, const EngineConfig& config)
 }  // namespace
 
 Engine::Engine(Model& model, const EngineConfig& config)
-    : model_(model), scheduler_(scheduler_config(model, config)) {}
+    : model_(model),
+      scheduler_(scheduler_config(model, config)),
+      graphs_(model, scheduler_.config().max_num_seqs, !config.enforce_eager) {}
 
 Engine::~Engine() {
   for (auto& [seq, info] : sequences_) (void)release_slot(seq);
@@ -286,7 +288,7 @@ Result<std::vector<RequestUpdate>> Engine::step() {
     batch.seqs = tables;
     batch.logit_rows = logit_rows;
     batch.seq_slots = seq_slots;
-    Result<DeviceLogits> logits = model_.forward_device(batch);
+    Result<DeviceLogits> logits = graphs_.forward(batch);
     if (!logits.ok()) {
       forward_error = logits.status();
       return ok_status();

@@ -31,6 +31,7 @@
 #include "core/status.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
+#include "engine/step_graphs.h"
 #include "model/model.h"
 
 namespace e4kv {
@@ -42,6 +43,9 @@ struct EngineConfig {
   int64_t max_num_batched_tokens = 0;
   // Sequences running at once; 0: the model's max_seqs (never more: each holds a state slot).
   int64_t max_num_seqs = 0;
+  // Every step op by op: no graphs of the decode step (engine/step_graphs.h), which are on by
+  // default where the backend records them (CUDA).
+  bool enforce_eager = false;
 };
 
 // The most completions one request may ask for (RequestParams::n).
@@ -134,6 +138,7 @@ class Engine {
 
   bool has_unfinished() const { return scheduler_.has_work(); }
   const Scheduler& scheduler() const { return scheduler_; }
+  const StepGraphs& step_graphs() const { return graphs_; }
   Model& model() const { return model_; }
 
  private:
@@ -199,6 +204,7 @@ class Engine {
 
   Model& model_;
   Scheduler scheduler_;
+  StepGraphs graphs_;
   std::unordered_map<RequestId, Request> requests_;
   std::unordered_map<SequenceId, SequenceInfo> sequences_;
   std::vector<RequestId> first_runs_;  // take_first_runs()

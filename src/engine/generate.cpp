@@ -11,6 +11,7 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
                                 const std::function<void(int32_t)>& on_token) {
   EngineConfig config;
   config.max_num_seqs = 1;
+  config.enforce_eager = options.enforce_eager;
   // The prompt in forwards of at most prefill_chunk rows (the scheduler's token budget).
   if (options.prefill_chunk > 0) config.max_num_batched_tokens = options.prefill_chunk;
   Engine engine(model, config);

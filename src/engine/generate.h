@@ -25,6 +25,7 @@ struct GenerateOptions {
   // Prompt tokens per prefill forward; 0: the whole prompt in one forward. Either way at most the
   // model's max_batch_tokens (a longer prompt is cut into forwards of that many).
   int64_t prefill_chunk = 0;
+  bool enforce_eager = false;  // EngineConfig::enforce_eager
 };
 
 struct GenerateResult {

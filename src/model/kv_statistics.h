@@ -25,6 +25,7 @@ class KvStatisticsCollector {
   KvWriteStats* sink(int64_t layer, ForwardPurpose purpose) const;
   Result<std::vector<LayerKvStats>> read() const;
   void stop();
+  bool collecting() const { return !per_layer_.empty(); }
 
  private:
   std::vector<std::unique_ptr<KvWriteStats>> per_layer_;  // [n_layers]; empty: not collecting

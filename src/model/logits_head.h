@@ -41,6 +41,8 @@ class LogitsHead {
                                     const FinalNorm& final_norm, StepProfiler* profiler) const;
   // Errors when a cache write of the step met a non-finite K or V value.
   Status check_non_finite(Backend& backend) const;
+  // The first `rows` rows of the last logits() (a step's padding rows come after the rows asked).
+  DeviceLogits output(int64_t rows) const { return DeviceLogits{logits_.as<float>(), rows, vocab_}; }
   // What check_non_finite() found, summed over every check.
   uint64_t non_finite_total() const { return non_finite_total_; }
 

@@ -137,6 +137,13 @@ struct ForwardBatch {
   std::span<const int32_t> seq_slots;
   ForwardPurpose purpose = ForwardPurpose::kServe;
   ForwardProbe* probe = nullptr;  // optional
+  // Decode steps replayed from a graph (engine/step_graphs.h) have a fixed row count per bucket:
+  // with pad_to > the rows, the model appends pad_to - rows padding rows, one per padding sequence
+  // after the batch's sequences: token 0 at position 0, written into a scratch cache block and a
+  // scratch state slot the model keeps outside the pool (Model::reset_padding_state), their logits
+  // computed after the rows asked for and not returned. Only for a batch of decode rows: one row
+  // per sequence, every row a logit row, in order. 0: no padding.
+  int64_t pad_to = 0;
 };
 
 // A forward's logits in backend memory (Model::forward_device).
@@ -222,6 +229,37 @@ class Model {
   // so the fork continues from the parent's tokens without recomputing them. Errors for a slot
   // not in use, src == dst, or a source whose state a failed forward left half-written.
   virtual Status copy_sequence_state(int32_t src_slot, int32_t dst_slot) = 0;
+  // ---- the halves of forward_device, for graphs of the decode step (engine/step_graphs.h) ----
+  // Whether prepare / run_device / finish_step work (the families; not the tensor-parallel
+  // wrapper).
+  virtual bool supports_step_graphs() const { return false; }
+  // The host half: checks the batch and builds, plans and uploads everything the step's ops read
+  // (an error changes no sequence's state).
+  virtual Status prepare(const ForwardBatch& /*batch*/) {
+    return Status::error("this model does not split its forward for step graphs");
+  }
+  // The device half after prepare(): the layers and the logits, launches only (no allocation, no
+  // wait for the device, no decision on host data), so it can be captured in a graph once and
+  // replayed after each prepare() of a batch of the same shape. Reads only `purpose` of the batch
+  // (and its probe, which step graphs never set).
+  virtual Status run_device(const ForwardBatch& /*batch*/) {
+    return Status::error("this model does not split its forward for step graphs");
+  }
+  // After run_device (or its replay) with status `device`: the sequences' states commit (or, on an
+  // error, are marked undefined), the non-finite counters are read, and the logits of the rows
+  // asked are returned (padding rows' logits excluded).
+  virtual Result<DeviceLogits> finish_step(const ForwardBatch& /*batch*/, const Status& device) {
+    if (!device.ok()) return device;
+    return Status::error("this model does not split its forward for step graphs");
+  }
+  // Whether a step profiler marks the forwards (graphs stay off meanwhile).
+  virtual bool step_profiling() const { return false; }
+  // Whether calibration statistics are being collected (graphs stay off meanwhile).
+  virtual bool collecting_kv_statistics() const { return false; }
+  // Zeroes the scratch state slot the padding rows share (their writes race each other; the
+  // engine calls this now and then so the scratch state stays small and finite).
+  virtual void reset_padding_state() {}
+
   // Copy on write of shared cache blocks (kv/block_allocator.h's BlockCopy, the engine's
   // StepPlan::block_copies): in every layer's paged memory (main K/V, QSA compressed indexer
   // rows), block dst becomes a copy of block src, as if the copies ran in order. Run before the

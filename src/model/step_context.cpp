@@ -125,26 +125,37 @@ Result<StepContext> StepContext::create(Backend& backend, const ModelLimits& lim
 
 Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int64_t vocab_size,
                           int64_t block_size, int64_t n_blocks) {
-  const size_t n = batch.token_ids.size();
+  size_t n = batch.token_ids.size();  // padding added below
   if (n == 0) return Status::error("forward: the batch has no rows");
   if (batch.row_seq.size() != n || batch.row_pos.size() != n) {
     return Status::error(cat("forward: ", n, " token ids but ", batch.row_seq.size(),
                              " row sequences and ", batch.row_pos.size(), " row positions"));
   }
-  if (int64_t(n) > limits_.max_batch_tokens) {
+  // Padding rows (ForwardBatch::pad_to): one per padding sequence, after the batch's own.
+  const size_t pad = batch.pad_to > int64_t(n) ? size_t(batch.pad_to) - n : 0;
+  if (pad > 0 && (batch.seqs.size() != n || batch.logit_rows.size() != n)) {
+    return Status::error(cat("forward: padding to ", batch.pad_to,
+                             " rows needs a batch of decode rows (one per sequence, each a logit "
+                             "row); this one has ",
+                             n, " rows, ", batch.seqs.size(), " sequences and ",
+                             batch.logit_rows.size(), " logit rows"));
+  }
+  if (int64_t(n + pad) > limits_.max_batch_tokens) {
     return Status::option_error("max_batch_tokens",
-                                cat("the batch has ", n, " rows; the model was loaded for at most ",
+                                cat("the batch has ", n + pad,
+                                    " rows; the model was loaded for at most ",
                                     limits_.max_batch_tokens, " per forward"));
   }
   if (batch.seqs.empty()) return Status::error("forward: the batch has no sequences");
-  if (int64_t(batch.seqs.size()) > limits_.max_seqs) {
-    return Status::option_error("max_seqs", cat("the batch has ", batch.seqs.size(),
+  if (int64_t(batch.seqs.size() + pad) > limits_.max_seqs) {
+    return Status::option_error("max_seqs", cat("the batch has ", batch.seqs.size() + pad,
                                                 " sequences; the model was loaded for at most ",
                                                 limits_.max_seqs, " per forward"));
   }
-  if (int64_t(batch.logit_rows.size()) > limits_.max_logit_rows) {
+  if (int64_t(batch.logit_rows.size() + pad) > limits_.max_logit_rows) {
     return Status::option_error("max_logit_rows",
-                                cat("the batch asks for the logits of ", batch.logit_rows.size(),
+                                cat("the batch asks for the logits of ",
+                                    batch.logit_rows.size() + pad,
                                     " rows; the model was loaded for at most ",
                                     limits_.max_logit_rows, " per forward"));
   }
@@ -193,17 +204,27 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
       return Status::error(cat("forward: logit row ", row, " outside the ", n, " rows"));
     }
   }
+  if (pad > 0) {
+    for (size_t r = 0; r < n; ++r) {
+      if (batch.row_seq[r] != int32_t(r) || batch.logit_rows[r] != int32_t(r)) {
+        return Status::error(cat("forward: padding needs row r to be sequence r's and logit row r; "
+                                 "row ", r, " is not"));
+      }
+    }
+  }
 
   // ---- the metadata, on the host ----
-  n_rows_ = int64_t(n);
-  n_seqs_ = int64_t(batch.seqs.size());
-  n_logits_ = int64_t(batch.logit_rows.size());
+  const size_t n_real_seqs = batch.seqs.size();
+  n_padding_ = int64_t(pad);
+  n_rows_ = int64_t(n + pad);
+  n_seqs_ = int64_t(n_real_seqs + pad);
+  n_logits_ = int64_t(batch.logit_rows.size() + pad);
   for (size_t r = 0; r < n; ++r) {
     ids_host_[r] = batch.token_ids[r];
     row_seq_host_[r] = batch.row_seq[r];
     row_pos_host_[r] = batch.row_pos[r];
   }
-  for (size_t i = 0; i < size_t(n_logits_); ++i) logit_rows_host_[i] = batch.logit_rows[i];
+  for (size_t i = 0; i < batch.logit_rows.size(); ++i) logit_rows_host_[i] = batch.logit_rows[i];
   for (size_t r = 0; r < n; ++r) {
     slots_host_[r] = slot_for_position(*batch.seqs[size_t(row_seq_host_[r])], row_pos_host_[r],
                                        block_size);
@@ -211,10 +232,22 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
   // The block table at the fixed stride, unused entries -1.
   const int64_t stride = limits_.max_blocks_per_seq;
   std::fill_n(table_host_.begin(), size_t(n_seqs_ * stride), -1);
-  for (int64_t s = 0; s < n_seqs_; ++s) {
-    const BlockTable& seq = *batch.seqs[size_t(s)];
-    seq_lens_host_[size_t(s)] = static_cast<int32_t>(seq.n_tokens);
-    std::copy(seq.blocks.begin(), seq.blocks.end(), table_host_.begin() + s * stride);
+  for (size_t s = 0; s < n_real_seqs; ++s) {
+    const BlockTable& seq = *batch.seqs[s];
+    seq_lens_host_[s] = static_cast<int32_t>(seq.n_tokens);
+    std::copy(seq.blocks.begin(), seq.blocks.end(), table_host_.begin() + int64_t(s) * stride);
+  }
+  // Padding: token 0 at position 0 of a one-token sequence in the scratch block (n_blocks, the
+  // block after the pool), every padding row writing the same cache slot.
+  for (size_t i = 0; i < pad; ++i) {
+    const size_t r = n + i, s = n_real_seqs + i;
+    ids_host_[r] = 0;
+    row_seq_host_[r] = int32_t(s);
+    row_pos_host_[r] = 0;
+    slots_host_[r] = n_blocks * block_size;
+    logit_rows_host_[batch.logit_rows.size() + i] = int32_t(r);
+    seq_lens_host_[s] = 1;
+    table_host_[s * size_t(stride)] = int32_t(n_blocks);
   }
   const size_t half = size_t(rotary_dim_ / 2);
   if (rope != nullptr && half > 0) {
@@ -226,7 +259,7 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
       rope_cos_all_.clear();
       rope_sin_all_.clear();
     }
-    int64_t need = 0;
+    int64_t need = 1;
     for (const int32_t p : batch.row_pos) need = std::max<int64_t>(need, int64_t(p) + 1);
     const int64_t have = int64_t(rope_cos_all_.size() / half);
     if (need > have) {
@@ -238,9 +271,9 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
       rope_cos_sin_rows(*rope, positions, rope_cos_all_.data() + size_t(have) * half,
                         rope_sin_all_.data() + size_t(have) * half);
     }
-    for (size_t r = 0; r < n; ++r) {
-      const float* cos_row = rope_cos_all_.data() + size_t(batch.row_pos[r]) * half;
-      const float* sin_row = rope_sin_all_.data() + size_t(batch.row_pos[r]) * half;
+    for (size_t r = 0; r < n + pad; ++r) {
+      const float* cos_row = rope_cos_all_.data() + size_t(row_pos_host_[r]) * half;
+      const float* sin_row = rope_sin_all_.data() + size_t(row_pos_host_[r]) * half;
       std::copy_n(cos_row, half, cos_host_.data() + r * half);
       std::copy_n(sin_row, half, sin_host_.data() + r * half);
     }
@@ -254,6 +287,7 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
 
   // ---- and on the device ----
   Backend& b = *backend_;
+  n += pad;
   b.copy_from_host(ids_.data(), ids_host_.data(), n * 4);
   b.copy_from_host(row_seq_.data(), row_seq_host_.data(), n * 4);
   b.copy_from_host(row_pos_.data(), row_pos_host_.data(), n * 4);
@@ -271,13 +305,14 @@ Status StepContext::build(const ForwardBatch& batch, const RopeTable* rope, int6
 }
 
 Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlots& slots) {
-  const size_t n_seqs = batch.seqs.size();
+  const size_t n_seqs = batch.seqs.size();  // without the padding sequences
+  const int64_t n_real_rows = n_rows_ - n_padding_;
   if (batch.seq_slots.size() != n_seqs) {
     return Status::error(cat("forward: ", n_seqs, " sequences but ", batch.seq_slots.size(),
                              " state slots; this model keeps per-sequence state: give each "
                              "sequence the slot Model::allocate_sequence returned"));
   }
-  std::fill_n(seq_begin_host_.begin(), n_seqs + 1, -1);
+  std::fill_n(seq_begin_host_.begin(), size_t(n_seqs_) + 1, -1);
   for (size_t s = 0; s < n_seqs; ++s) seq_slot_host_[s] = batch.seq_slots[s];
   std::fill_n(seq_start_host_.begin(), n_seqs, 0);
   std::fill_n(seq_end_host_.begin(), n_seqs, 0);
@@ -299,7 +334,7 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
     }
   }
   // Rows of each sequence: one contiguous run at consecutive positions from the tokens seen.
-  for (int64_t r = 0; r < n_rows_; ++r) {
+  for (int64_t r = 0; r < n_real_rows; ++r) {
     const size_t s = size_t(row_seq_host_[size_t(r)]);
     const int32_t pos = row_pos_host_[size_t(r)];
     if (seq_begin_host_[s] < 0) {
@@ -337,13 +372,25 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
     max_seq_rows = std::max(max_seq_rows, seq_end_host_[s] - seq_start_host_[s]);
     max_end_pos = std::max(max_end_pos, seq_end_host_[s]);
   }
-  seq_begin_host_[n_seqs] = next;
+  // Padding sequences: one row each at position 0, all in the scratch state slot (the slot after
+  // the pool's), which every step sees as new (commit_sequences leaves it alone).
+  for (size_t s = n_seqs; s < size_t(n_seqs_); ++s) {
+    seq_begin_host_[s] = next;
+    seq_slot_host_[s] = int32_t(slots.capacity());
+    seq_start_host_[s] = 0;
+    seq_end_host_[s] = 1;
+    next += 1;
+    max_seq_rows = std::max<int64_t>(max_seq_rows, 1);
+    max_end_pos = std::max<int64_t>(max_end_pos, 1);
+  }
+  const size_t total_seqs = size_t(n_seqs_);
+  seq_begin_host_[total_seqs] = next;
   Backend& b = *backend_;
-  b.copy_from_host(seq_begin_.data(), seq_begin_host_.data(), (n_seqs + 1) * 4);
-  b.copy_from_host(seq_slot_.data(), seq_slot_host_.data(), n_seqs * 4);
-  b.copy_from_host(seq_start_.data(), seq_start_host_.data(), n_seqs * 8);
+  b.copy_from_host(seq_begin_.data(), seq_begin_host_.data(), (total_seqs + 1) * 4);
+  b.copy_from_host(seq_slot_.data(), seq_slot_host_.data(), total_seqs * 4);
+  b.copy_from_host(seq_start_.data(), seq_start_host_.data(), total_seqs * 8);
   seq_rows_ = SequenceRowsView{};
-  seq_rows_.n_seqs = int64_t(n_seqs);
+  seq_rows_.n_seqs = int64_t(total_seqs);
   seq_rows_.row_begin = seq_begin_.as<int32_t>();
   seq_rows_.state_slot = seq_slot_.as<int32_t>();
   seq_rows_.start_pos = seq_start_.as<int64_t>();
@@ -355,7 +402,7 @@ Status StepContext::build_sequences(const ForwardBatch& batch, const SequenceSlo
 }
 
 void StepContext::commit_sequences(SequenceSlots& slots) const {
-  for (size_t s = 0; s < size_t(seq_rows_.n_seqs); ++s) {
+  for (size_t s = 0; s < size_t(seq_rows_.n_seqs - n_padding_); ++s) {
     slots.set_tokens(seq_slot_host_[s], seq_end_host_[s]);
   }
 }

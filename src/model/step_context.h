@@ -48,7 +48,12 @@ class StepContext {
   }
   std::span<const int32_t> host_seq_slots() const { return seq_slot_host_.first(size_t(n_seqs_)); }
 
+  // Rows, sequences and logit rows of the step, padding included (ForwardBatch::pad_to: the
+  // padding rows and sequences come last).
   int64_t n_rows() const { return n_rows_; }
+  int64_t n_padding() const { return n_padding_; }
+  // The token ids of every row, padding included, on the host.
+  std::span<const int32_t> host_ids() const { return ids_host_.first(size_t(n_rows_)); }
   int64_t n_seqs() const { return n_seqs_; }
   int64_t n_logits() const { return n_logits_; }
 
@@ -73,6 +78,7 @@ class StepContext {
   ModelLimits limits_;
   int64_t rotary_dim_ = 0;
   int64_t n_rows_ = 0;
+  int64_t n_padding_ = 0;
   int64_t n_seqs_ = 0;
   int64_t n_logits_ = 0;
 

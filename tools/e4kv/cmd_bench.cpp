@@ -76,6 +76,9 @@ struct RunFigures {
   double preemptions = 0.0;  // a count per run; the cell's mean may be fractional
   int64_t prompt_tokens = 0;
   int64_t output_tokens = 0;
+  // Steps replayed from a decode-step graph, and graphs captured, in the run (engine/step_graphs.h).
+  double graph_replays = 0.0;
+  double graph_captures = 0.0;
 };
 
 struct Cell {
@@ -142,12 +145,15 @@ std::string capacity_reason(const Model& model, int64_t context, int64_t output_
 }
 
 Result<RunFigures> run_once(Model& model, int64_t concurrency, int64_t context,
-                            int64_t output_tokens, uint64_t seed, int64_t repeat) {
+                            int64_t output_tokens, uint64_t seed, int64_t repeat,
+                            bool enforce_eager) {
   std::vector<std::vector<int32_t>> prompts;
   for (int64_t r = 0; r < concurrency; ++r) {
     prompts.push_back(random_prompt(seed, repeat, r, context, model.vocab_size()));
   }
-  Engine engine(model, EngineConfig{});
+  EngineConfig engine_config;
+  engine_config.enforce_eager = enforce_eager;
+  Engine engine(model, engine_config);
   RequestParams params;
   params.max_tokens = output_tokens;  // no stop ids: every request runs to max_tokens
   struct Track {
@@ -208,6 +214,8 @@ Result<RunFigures> run_once(Model& model, int64_t concurrency, int64_t context,
                    std::max(kTick, seconds_between(first_first, end));
   f.e2e_s = seconds_between(submitted, end);
   f.preemptions = double(engine.scheduler().n_preemptions());
+  f.graph_replays = double(engine.step_graphs().stats().replays);
+  f.graph_captures = double(engine.step_graphs().stats().captures);
   return f;
 }
 
@@ -220,6 +228,8 @@ RunFigures mean_of(const std::vector<RunFigures>& runs) {
     m.tpot_ms += r.tpot_ms;
     m.e2e_s += r.e2e_s;
     m.preemptions += r.preemptions;
+    m.graph_replays += r.graph_replays;
+    m.graph_captures += r.graph_captures;
     m.prompt_tokens += r.prompt_tokens;
     m.output_tokens += r.output_tokens;
   }
@@ -230,6 +240,8 @@ RunFigures mean_of(const std::vector<RunFigures>& runs) {
   m.tpot_ms /= n;
   m.e2e_s /= n;
   m.preemptions /= n;
+  m.graph_replays /= n;
+  m.graph_captures /= n;
   // Token counts are the same in every run: those of one run.
   m.prompt_tokens /= int64_t(runs.size());
   m.output_tokens /= int64_t(runs.size());
@@ -279,6 +291,8 @@ nlohmann::ordered_json figures_json(const RunFigures& f) {
   j["tpot_ms"] = f.tpot_ms;
   j["e2e_s"] = f.e2e_s;
   j["preemptions"] = f.preemptions;
+  j["graph_replays"] = f.graph_replays;
+  j["graph_captures"] = f.graph_captures;
   j["prompt_tokens"] = f.prompt_tokens;
   j["output_tokens"] = f.output_tokens;
   return j;
@@ -556,7 +570,8 @@ Status run_bench(const BenchArgs& args) {
     mode.max_model_len = model.max_model_len();
     // First-use costs out of the matrix: one short request.
     if (capacity_reason(model, 8, 2).empty()) {
-      E4KV_RETURN_IF_ERROR(run_once(model, 1, 8, 2, args.seed ^ 0x5eedULL, 0).status());
+      E4KV_RETURN_IF_ERROR(run_once(model, 1, 8, 2, args.seed ^ 0x5eedULL, 0, args.model.enforce_eager)
+                                   .status());
     }
     size_t done = 0;
     for (const int64_t c : concurrency) {
@@ -568,7 +583,8 @@ Status run_bench(const BenchArgs& args) {
         for (int64_t rep = 0; rep < args.repeats && cell.completed(); ++rep) {
           if (show) show_progress(mode.label(), done, runs_per_mode, cell, rep, args.repeats);
           E4KV_ASSIGN_OR_RETURN(RunFigures f,
-                                run_once(model, c, context, args.output_tokens, args.seed, rep));
+                                run_once(model, c, context, args.output_tokens, args.seed, rep,
+                                         args.model.enforce_eager));
           cell.runs.push_back(f);
           ++done;
         }

@@ -138,6 +138,7 @@ Status run_generate(const GenerateArgs& args) {
   options.max_tokens = args.max_tokens;
   options.sampling = sampling;
   options.prefill_chunk = args.prefill_chunk;
+  options.enforce_eager = args.model.enforce_eager;
   if (!args.ignore_eos) {
     E4KV_ASSIGN_OR_RETURN(options.stop_ids, load_eos_token_ids(dir));
     if (tokenizer && tokenizer->eos_id()) options.stop_ids.push_back(*tokenizer->eos_id());

@@ -92,6 +92,7 @@ Status run_serve(ServeArgs& args) {
   config.max_model_len = args.model.max_model_len;
   config.max_num_seqs = args.max_num_seqs;
   config.max_num_batched_tokens = args.max_num_batched_tokens;
+  config.enforce_eager = args.model.enforce_eager;
   config.kv_cache_memory_bytes = args.model.kv_cache_memory_bytes;
   config.num_gpu_blocks_override = args.model.num_gpu_blocks_override;
   config.gpu_memory_utilization = args.model.gpu_memory_utilization;

@@ -231,7 +231,9 @@ Status run_generate_batch(const BatchGenerateArgs& args) {
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
                         load_model(args.model, largest, /*all_rows=*/0,
                                    /*n_seqs=*/std::min<int64_t>(64, n_sequences)));
-  Engine engine(*loaded.model, {});
+  EngineConfig engine_config;
+  engine_config.enforce_eager = args.model.enforce_eager;
+  Engine engine(*loaded.model, engine_config);
   const Tokenizer* tokenizer = nullptr;
   if (Result<const Tokenizer*> tok = source.tokenizer(); tok.ok()) tokenizer = *tok;
   std::optional<OutputProcessor> processor;

@@ -69,6 +69,9 @@ void add_pool_flags(CLI::App* cmd, ModelFlags& flags) {
          "CUDA: the fraction of the card's memory e4kv may take; the KV pool gets what the weights "
          "and the activation peak of a memory-profiling forward leave of it")
       ->transform(finite_number());
+  cmd->add_flag("--enforce-eager", flags.enforce_eager,
+                "Run every step op by op: no CUDA graphs of the decode step (on by default on "
+                "CUDA)");
 }
 
 Status validate_model_flags(const ModelFlags& flags) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -76,6 +77,24 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::kF32; }
+
+  // Graphs, emulated for tests of the engine's step graphs (cpu_backend_emulate_graphs): a
+  // "capture" keeps the function and a replay calls it again. The CPU has no launch cost to save.
+  bool supports_graphs() const override { return emulate_graphs_; }
+  Result<std::unique_ptr<BackendGraph>> capture_graph(
+      const std::function<Status()>& issue) override {
+    if (!emulate_graphs_) return Status::error("cpu: this backend does not record graphs");
+    class Replay final : public BackendGraph {
+     public:
+      explicit Replay(std::function<Status()> issue) : issue_(std::move(issue)) {}
+      Status replay() override { return issue_(); }
+
+     private:
+      std::function<Status()> issue_;
+    };
+    return std::unique_ptr<BackendGraph>(new Replay(issue));
+  }
+  void set_emulate_graphs(bool on) { emulate_graphs_ = on; }
 
   Result<DeviceMemoryInfo> device_memory() const override {
     return Status::error(
@@ -534,6 +553,7 @@ class CpuBackend final : public Backend {
   void release(void* data) override { std::free(data); }
 
  private:
+  bool emulate_graphs_ = false;
   static float* f32(void* p) { return static_cast<float*>(p); }
   static const float* f32(const void* p) { return static_cast<const float*>(p); }
 
@@ -549,6 +569,10 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options) {
   return std::make_unique<CpuBackend>(options);
+}
+
+void cpu_backend_emulate_graphs(Backend& backend, bool on) {
+  if (auto* cpu = dynamic_cast<CpuBackend*>(&backend)) cpu->set_emulate_graphs(on);
 }
 
 }  // namespace e4kv

@@ -18,4 +18,9 @@ struct CpuBackendOptions {
 
 std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options = {});
 
+// Tests: a CPU backend made by make_cpu_backend records "graphs" as the functions given to
+// Backend::capture_graph and replays them by calling them again, so the engine's step-graph path
+// (buckets, padding rows, signatures) runs on the CPU. No effect on another backend.
+void cpu_backend_emulate_graphs(Backend& backend, bool on);
+
 }  // namespace e4kv

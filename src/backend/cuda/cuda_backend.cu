@@ -65,6 +65,30 @@ class DeviceKvWriteStats final : public KvWriteStats {
 };
 
 // Also the step profiler of its stream (backend/profiler.h): CUDA events around each section.
+class CudaGraphExec final : public BackendGraph {
+ public:
+  CudaGraphExec(cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream)
+      : graph_(graph), exec_(exec), stream_(stream) {}
+  ~CudaGraphExec() override {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  Status replay() override {
+    const cudaError_t err = cudaGraphLaunch(exec_, stream_);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::error(cat("cuda graph: launch failed (", cudaGetErrorString(err), ")"));
+    }
+    return ok_status();
+  }
+
+ private:
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
+
+
 class CudaBackend final : public Backend, public StepProfiler {
  public:
   explicit CudaBackend(const CudaBackendOptions& options)
@@ -537,8 +561,41 @@ class CudaBackend final : public Backend, public StepProfiler {
   void allow_workspace_growth(bool allowed) override { workspace_growth_ = allowed; }
 
   CudaBackendCounters counters() const { return counters_; }
-  cudaStream_t stream() const { return stream_; }
   uint64_t attention_plan_signature() const { return attention_.plan_signature(); }
+  uint64_t launch_signature() const override { return attention_.plan_signature(); }
+  bool supports_graphs() const override { return true; }
+  Result<std::unique_ptr<BackendGraph>> capture_graph(
+      const std::function<Status()>& issue) override {
+    cudaError_t err = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::error(
+          cat("cuda graph: cannot begin the capture (", cudaGetErrorString(err), ")"));
+    }
+    Status issued = issue();
+    cudaGraph_t graph = nullptr;
+    err = cudaStreamEndCapture(stream_, &graph);
+    if (!issued.ok()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      return issued;
+    }
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::error(cat("cuda graph: the capture was invalidated (",
+                               cudaGetErrorString(err),
+                               "): an op allocated, waited for the device or copied from pageable "
+                               "memory"));
+    }
+    cudaGraphExec_t exec = nullptr;
+    err = cudaGraphInstantiate(&exec, graph, 0);
+    if (err != cudaSuccess) {
+      cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      return Status::error(cat("cuda graph: cannot instantiate (", cudaGetErrorString(err), ")"));
+    }
+    return std::unique_ptr<BackendGraph>(new CudaGraphExec(graph, exec, stream_));
+  }
 
  private:
   Status reserve_hybrid(const HybridWorkspaceNeeds& needs) {
@@ -692,29 +749,6 @@ class CudaBackend final : public Backend, public StepProfiler {
   CudaBackendCounters counters_;
 };
 
-class CudaGraphExec final : public CudaGraph {
- public:
-  CudaGraphExec(cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream)
-      : graph_(graph), exec_(exec), stream_(stream) {}
-  ~CudaGraphExec() override {
-    cudaGraphExecDestroy(exec_);
-    cudaGraphDestroy(graph_);
-  }
-  Status replay() override {
-    const cudaError_t err = cudaGraphLaunch(exec_, stream_);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return Status::error(cat("cuda graph: launch failed (", cudaGetErrorString(err), ")"));
-    }
-    return ok_status();
-  }
-
- private:
-  cudaGraph_t graph_;
-  cudaGraphExec_t exec_;
-  cudaStream_t stream_;
-};
-
 }  // namespace
 
 CudaBackendCounters cuda_backend_counters(const Backend& backend) {
@@ -729,37 +763,10 @@ uint64_t cuda_attention_plan_signature(const Backend& backend) {
 
 Result<std::unique_ptr<CudaGraph>> capture_cuda_graph(Backend& backend,
                                                       const std::function<Status()>& issue) {
-  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
-  if (cuda == nullptr) return Status::error(cat(backend.name(), ": not a CUDA backend"));
-  const cudaStream_t stream = cuda->stream();
-  cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status::error(
-        cat("cuda graph: cannot begin the capture (", cudaGetErrorString(err), ")"));
+  if (dynamic_cast<CudaBackend*>(&backend) == nullptr) {
+    return Status::error(cat(backend.name(), ": not a CUDA backend"));
   }
-  Status issued = issue();
-  cudaGraph_t graph = nullptr;
-  err = cudaStreamEndCapture(stream, &graph);
-  if (!issued.ok()) {
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    return issued;
-  }
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status::error(cat("cuda graph: the capture was invalidated (", cudaGetErrorString(err),
-                             "): an op allocated, waited for the device or copied from pageable "
-                             "memory"));
-  }
-  cudaGraphExec_t exec = nullptr;
-  err = cudaGraphInstantiate(&exec, graph, 0);
-  if (err != cudaSuccess) {
-    cudaGraphDestroy(graph);
-    (void)cudaGetLastError();
-    return Status::error(cat("cuda graph: cannot instantiate (", cudaGetErrorString(err), ")"));
-  }
-  return std::unique_ptr<CudaGraph>(new CudaGraphExec(graph, exec, stream));
+  return backend.capture_graph(issue);
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options) {

@@ -44,18 +44,11 @@ CudaBackendCounters cuda_backend_counters(const Backend& backend);
 // equal (0 for another backend).
 uint64_t cuda_attention_plan_signature(const Backend& backend);
 
-// A CUDA graph of the ops issued on a CUDA backend's stream (cudaStreamBeginCapture, global mode:
-// an allocation, a wait for the device or a copy from pageable memory inside the capture fails
-// it). Replays read the device buffers the ops were issued on, so refresh them first (a model's
-// host half) and replay.
-class CudaGraph {
- public:
-  virtual ~CudaGraph() = default;
-  // Launches the graph on the backend's stream (asynchronous, ordered with its ops).
-  virtual Status replay() = 0;
-};
-// Captures what `issue` launches on `backend` (made by make_cuda_backend). Errors: another
-// backend, `issue`'s own error, or an operation the capture cannot hold (its CUDA error).
+// A CUDA graph of the ops issued on a CUDA backend's stream (Backend::capture_graph: global
+// capture mode, so an allocation, a wait for the device or a copy from pageable memory inside the
+// capture fails it). Replays read the device buffers the ops were issued on, so refresh them first
+// (a model's host half) and replay.
+using CudaGraph = BackendGraph;
 Result<std::unique_ptr<CudaGraph>> capture_cuda_graph(Backend& backend,
                                                       const std::function<Status()>& issue);
 

@@ -325,23 +325,21 @@ Status DenseModel::run_layers(const ForwardBatch& batch) {
   return ok_status();
 }
 
-Result<DeviceLogits> DenseModel::forward_device(const ForwardBatch& batch) {
+Status DenseModel::run_device(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
-  Workspace& ws = *ws_;
   const int64_t hidden = core_.config.hidden_size;
   const float eps = static_cast<float>(core_.config.rms_norm_eps);
-  const LogitsHead& head = *core_.head;
-  E4KV_RETURN_IF_ERROR(prepare(batch));
   E4KV_RETURN_IF_ERROR(run_layers(batch));
-  const StepContext& step = *core_.step;
-
   const LogitsHead::FinalNorm final_norm = [&](const void* in, int64_t m, void* out) {
     return b.rms_norm(in, final_norm_.data(), m, hidden, eps, RmsNormForm::kWeight, out);
   };
-  E4KV_ASSIGN_OR_RETURN(const DeviceLogits logits,
-                        head.logits(b, step, ws.x.data(), final_norm, core_.profiler));
-  E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
-  return logits;
+  return core_.head->logits(b, *core_.step, ws_->x.data(), final_norm, core_.profiler).status();
+}
+
+Result<DeviceLogits> DenseModel::finish_step(const ForwardBatch& batch, const Status& device) {
+  E4KV_RETURN_IF_ERROR(device);
+  E4KV_RETURN_IF_ERROR(core_.head->check_non_finite(*core_.backend));
+  return core_.head->output(int64_t(batch.logit_rows.size()));
 }
 
 }  // namespace e4kv

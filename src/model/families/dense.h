@@ -57,9 +57,10 @@ class DenseModel final : public CoreModel {
   const DenseModelSpec& spec() const { return spec_; }
   const RopeTable& rope() const { return core_.rope; }
 
-  Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   Status prepare(const ForwardBatch& batch) override;
   Status run_layers(const ForwardBatch& batch) override;
+  Status run_device(const ForwardBatch& batch) override;
+  Result<DeviceLogits> finish_step(const ForwardBatch& batch, const Status& device) override;
   // The dense families keep no per-sequence state; the slots only count live sequences.
   Result<int32_t> allocate_sequence() override { return core_.slots.allocate(); }
   Status begin_sequence(int32_t slot) override { return core_.slots.acquire(slot); }

@@ -40,7 +40,8 @@ Status ModelCore::build_step(const ForwardBatch& batch) {
 KvCacheView ModelCore::kv_cache_view(void* data, size_t layer) const {
   KvCacheView cache;
   cache.data = data;
-  cache.geometry.n_blocks = options.n_blocks;
+  // The pool's blocks and, last, the scratch block padding rows write (ForwardBatch::pad_to).
+  cache.geometry.n_blocks = options.n_blocks + 1;
   cache.geometry.block_size = options.block_size;
   cache.geometry.n_kv_heads = config.n_kv_heads;
   cache.geometry.head_dim = config.head_dim;

@@ -81,12 +81,18 @@ class CoreModel : public Model {
     return core_.head ? core_.head->non_finite_total() : 0;
   }
 
-  // The two halves of forward_device (DESIGN.md section 11), public for CUDA graphs of the decode
-  // step: prepare() checks the batch and builds, plans and uploads everything the step's ops read;
+  bool supports_step_graphs() const final { return true; }
+  bool collecting_kv_statistics() const final { return core_.kv_stats.collecting(); }
+  bool step_profiling() const final { return core_.profiler != nullptr; }
+  // The halves of forward_device (DESIGN.md section 11; Model::prepare, run_device, finish_step):
+  // prepare() checks the batch and builds, plans and uploads everything the step's ops read;
   // run_layers() then only launches (no allocation, no wait for the device, no decision on host
-  // data), so it can be captured once and replayed after each prepare() of a batch of the same
-  // shape. forward_device() is prepare(), run_layers() and the logits of the rows asked.
-  virtual Status prepare(const ForwardBatch& batch) = 0;
+  // data), and run_device() is run_layers() and the logits head, so a decode step can be captured
+  // once and replayed after each prepare() of a batch of the same shape.
+  Result<DeviceLogits> forward_device(const ForwardBatch& batch) final {
+    E4KV_RETURN_IF_ERROR(prepare(batch));
+    return finish_step(batch, run_device(batch));
+  }
   virtual Status run_layers(const ForwardBatch& batch) = 0;
 
  protected:

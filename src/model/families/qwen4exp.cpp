@@ -177,14 +177,15 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   }
 
   // ---- caches and state pools ----
-  const int64_t slots = limits.max_seqs;
+  // One slot beyond the pool: the scratch slot of padding rows (ForwardBatch::pad_to).
+  const int64_t slots = limits.max_seqs + 1;
   m.memory_.resize(m.layers_.size());
   for (size_t i = 0; i < m.layers_.size(); ++i) {
     Layer& layer = m.layers_[i];
     LayerMemory& mem = m.memory_[i];
     if (layer.qsa) {
       const QsaLayerCache view = m.qsa_cache(i);
-      const size_t compressed_bytes = size_t(options.n_blocks) *
+      const size_t compressed_bytes = size_t(options.n_blocks + 1) *
                                       size_t(view.compressed.rows_per_block()) *
                                       size_t(view.compressed.index_dim) * 2;
       const size_t ring_bytes = size_t(slots * m.qsa_shape_.ratio * m.qsa_shape_.index_dim) * 2;
@@ -275,12 +276,12 @@ QsaLayerCache Qwen4ExpModel::qsa_cache(size_t layer) const {
   const LayerMemory* mem = layer < memory_.size() ? &memory_[layer] : nullptr;
   cache.kv = core_.kv_cache_view(mem != nullptr ? mem->kv.data() : nullptr, layer);
   cache.compressed.data = mem != nullptr ? mem->compressed.as<uint16_t>() : nullptr;
-  cache.compressed.n_blocks = core_.options.n_blocks;
+  cache.compressed.n_blocks = core_.options.n_blocks + 1;  // the scratch block last
   cache.compressed.block_size = core_.options.block_size;
   cache.compressed.ratio = qsa_shape_.ratio;
   cache.compressed.index_dim = qsa_shape_.index_dim;
   cache.rings.data = mem != nullptr ? mem->rings.as<uint16_t>() : nullptr;
-  cache.rings.n_rings = core_.limits.max_seqs;
+  cache.rings.n_rings = core_.limits.max_seqs + 1;  // the scratch slot last
   cache.rings.cap = qsa_shape_.ratio;
   cache.rings.index_dim = qsa_shape_.index_dim;
   return cache;
@@ -411,7 +412,7 @@ Status Qwen4ExpModel::copy_sequence_state(int32_t src_slot, int32_t dst_slot) {
   E4KV_RETURN_IF_ERROR(core_.slots.copy(src_slot, dst_slot));
   Backend& b = *core_.backend;
   const BlockCopy copy[1] = {{src_slot, dst_slot}};
-  const int64_t n_slots = core_.limits.max_seqs;
+  const int64_t n_slots = core_.limits.max_seqs + 1;
   for (size_t i = 0; i < layers_.size(); ++i) {
     LayerMemory& mem = memory_[i];
     if (layers_[i].qsa) {
@@ -467,7 +468,7 @@ Status Qwen4ExpModel::prepare(const ForwardBatch& batch) {
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (!layers_[l].ple) continue;
     Status status =
-        layers_[l].ple->prepare(batch.token_ids, step.host_seq_row_begin(), step.host_seq_slots(),
+        layers_[l].ple->prepare(step.host_ids(), step.host_seq_row_begin(), step.host_seq_slots(),
                                 *memory_[l].ple, ple.ids.data(), ple.emb_f32.data(), b.act_dtype(),
                                 ple.host_rows(ple_index++, n, b.act_size()));
     if (!status.ok()) {
@@ -531,30 +532,26 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   return ok_status();
 }
 
-Result<DeviceLogits> Qwen4ExpModel::forward_device(const ForwardBatch& batch) {
+Status Qwen4ExpModel::run_device(const ForwardBatch& batch) {
   Backend& b = *core_.backend;
   Workspace& ws = *ws_;
-  const LogitsHead& head = *core_.head;
-  E4KV_RETURN_IF_ERROR(prepare(batch));
-  const StepContext& step = *core_.step;
-
+  E4KV_RETURN_IF_ERROR(run_layers(batch));
   // No final RMSNorm: the final mixer's norm is it.
   const LogitsHead::FinalNorm final_mix = [&](const void* in, int64_t m, void* out) {
     return final_mixer_->mix(b, m, in, out, ws.hc);
   };
+  return core_.head->logits(b, *core_.step, ws.x.data(), final_mix, core_.profiler).status();
+}
 
-  // From here on the sequences' states change: a failure leaves them undefined.
-  const Status status = run_layers(batch);
-  Result<DeviceLogits> logits = status.ok()
-                                     ? head.logits(b, step, ws.x.data(), final_mix, core_.profiler)
-                                     : Result<DeviceLogits>(status);
-  if (!logits.ok()) {
+Result<DeviceLogits> Qwen4ExpModel::finish_step(const ForwardBatch& batch, const Status& device) {
+  // run_device changed the sequences' states: a failure leaves them undefined.
+  if (!device.ok()) {
     for (int32_t slot : batch.seq_slots) core_.slots.poison(slot);
-    return logits.status();
+    return device;
   }
-  step.commit_sequences(core_.slots);
-  E4KV_RETURN_IF_ERROR(head.check_non_finite(b));
-  return logits;
+  core_.step->commit_sequences(core_.slots);
+  E4KV_RETURN_IF_ERROR(core_.head->check_non_finite(*core_.backend));
+  return core_.head->output(int64_t(batch.logit_rows.size()));
 }
 
 std::string Qwen4ExpModel::input_token_problem(int32_t id) const {

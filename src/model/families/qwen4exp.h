@@ -51,9 +51,11 @@ class Qwen4ExpModel final : public CoreModel {
 
   ModelMemory memory() const override;
 
-  Result<DeviceLogits> forward_device(const ForwardBatch& batch) override;
   Status prepare(const ForwardBatch& batch) override;
   Status run_layers(const ForwardBatch& batch) override;
+  Status run_device(const ForwardBatch& batch) override;
+  Result<DeviceLogits> finish_step(const ForwardBatch& batch, const Status& device) override;
+  void reset_padding_state() override { reset_state(int32_t(core_.limits.max_seqs)); }
   Result<int32_t> allocate_sequence() override;
   Status begin_sequence(int32_t slot) override;
   Status free_sequence(int32_t slot) override;
