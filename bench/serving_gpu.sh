@@ -9,7 +9,8 @@
 #   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
 #   PHASE=serve     e4kv serve (E4M3, SERVE_BLOCKS blocks: small enough to preempt) under
 #                   bench/serve_load.py: 64 clients for LOAD_SECONDS, token-id prompts
-# BENCH_FLAGS: more `e4kv bench` flags for every run (--enforce-eager: no decode-step graphs).
+# BENCH_FLAGS / SERVE_FLAGS: more `e4kv bench` / `e4kv serve` flags (--enforce-eager: no
+# decode-step graphs).
 # Results (bench.json/md/svg per run, logs) go to $OUT. Usage: PHASE=... bench/serving_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +70,7 @@ case "${PHASE:-setup}" in
     done ;;
   serve)
     $B/e4kv serve "$CKPT" --device cuda --kv-scales unit --kv-cache-dtype fp8_e4m3 --port 0 \
-      --num-gpu-blocks-override "${SERVE_BLOCKS:-96}" --max-num-seqs 64 >"$OUT/serve.out" \
+      --num-gpu-blocks-override "${SERVE_BLOCKS:-96}" --max-num-seqs 64 ${SERVE_FLAGS:-} >"$OUT/serve.out" \
       2>"$OUT/serve.err" &
     pid=$!
     port=""
