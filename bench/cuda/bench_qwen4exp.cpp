@@ -8,9 +8,11 @@
 //
 // For every cell (batch, context) whose batch * context is at most kMaxCellTokens: `batch`
 // sequences prefilled to `context` tokens (forwards of kPrefillChunk tokens), then decode steps of
-// one token per sequence through Model::forward (host launches, logits copied back). A step is the
-// wall time of one forward, the median of kSamples samples of kStepsPerSample steps; FP16 and E4M3
-// (unit scales) caches. Prefill tokens/s are timed on the first sequence of the batch-1 cells.
+// one token per sequence, timed two ways, alternating sample by sample: eagerly through
+// Model::forward (host launches, logits copied back) and replayed from decode-step graphs
+// (engine/step_graphs.h: StepGraphs::forward, then a synchronisation; the graphs are captured in
+// the warm-up steps). A step is the wall time of one forward, the median of kSamples samples of
+// kStepsPerSample steps; FP16 and E4M3 (unit scales) caches. Prefill tokens/s are timed on the first sequence of the batch-1 cells.
 // The batch-1 byte bound: the bytes one decode step must read (every weight but the unused
 // experts', the selected K/V rows, the indexer rows it scores, the recurrent and conv states read
 // and written) at the device-to-device copy rate measured in the same run.
@@ -45,6 +47,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "engine/step_graphs.h"
 #include "io/checkpoint.h"
 #include "kv/block_allocator.h"
 #include "model/model.h"
@@ -83,7 +86,9 @@ struct Row {
   std::string cache;
   int batch = 0;
   int64_t context = 0;
-  double step_ms = 0;
+  double step_ms = 0;        // eager
+  double graph_step_ms = 0;  // replayed from a graph
+  int64_t graph_captures = 0;
   double prefill_tokens_per_s = 0;  // first sequence, batch-1 cells only
   // One decode step profiled twice (StepProfiler::begin): isolated (each section's own device
   // time and the host's cost to issue it) and in place (the span each section took in a step).
@@ -228,7 +233,7 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     max_batch = std::max(max_batch, c.batch);
     max_context = std::max(max_context, c.context);
   }
-  const int64_t steps = int64_t(kSamples + 1) * kStepsPerSample + 2;
+  const int64_t steps = int64_t(2 * kSamples + 1) * kStepsPerSample + 8;
   ModelOptions options;
   options.kv_cache_dtype = dtype;
   options.kv_scales_mode =
@@ -274,7 +279,9 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     for (const BlockTable& t : tables) seqs.push_back(&t);
     std::vector<int32_t> ids(size_t(cell.batch)), row_seq(size_t(cell.batch)),
         row_pos(size_t(cell.batch)), logit_rows(size_t(cell.batch));
-    auto step = [&] {
+    StepGraphs graphs(model, cell.batch, /*enabled=*/true);
+    if (!graphs.active()) die("decode-step graphs are not available on this backend");
+    auto step = [&](bool graph) {
       for (int s = 0; s < cell.batch; ++s) {
         allocator.append(tables[size_t(s)], 1);
         ids[size_t(s)] = int32_t((lengths[size_t(s)] * 13 + s) % (vocab - 16) + 1);
@@ -283,24 +290,35 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
         logit_rows[size_t(s)] = s;
       }
       const ForwardBatch fb{ids, row_seq, row_pos, seqs, logit_rows, slots};
-      Result<std::vector<float>> logits = model.forward(fb);
-      if (!logits.ok()) die(logits.message());
+      if (graph) {
+        Result<DeviceLogits> logits = graphs.forward(fb);
+        if (!logits.ok()) die(logits.message());
+        backend.synchronize();
+      } else {
+        Result<std::vector<float>> logits = model.forward(fb);
+        if (!logits.ok()) die(logits.message());
+      }
     };
-    step();  // warm-up: first launches, workspaces
-    step();
-    std::vector<double> samples;
+    step(false);  // warm-up: first launches, workspaces, the graph's capture
+    step(false);
+    step(true);
+    step(true);
+    std::vector<double> samples, graph_samples;
     for (int i = 0; i < kSamples; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int k = 0; k < kStepsPerSample; ++k) step();
-      samples.push_back(seconds_since(t0) * 1e3 / kStepsPerSample);
+      for (const bool graph : {false, true}) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int k = 0; k < kStepsPerSample; ++k) step(graph);
+        (graph ? graph_samples : samples).push_back(seconds_since(t0) * 1e3 / kStepsPerSample);
+      }
     }
+    if (!graphs.active()) die(cat("a decode-step graph capture failed: ", graphs.capture_error()));
     Row row;
     StepProfiler* profiler = cuda_step_profiler(backend);
     if (profiler == nullptr) die("the step profile needs the CUDA backend");
     model.set_step_profiler(profiler);
     for (const bool isolate : {true, false}) {
       profiler->begin(isolate);
-      step();
+      step(false);
       (isolate ? row.isolated : row.in_place) = profiler->end();
     }
     model.set_step_profiler(nullptr);
@@ -308,9 +326,14 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     row.batch = cell.batch;
     row.context = cell.context;
     row.step_ms = median(samples);
+    row.graph_step_ms = median(graph_samples);
+    row.graph_captures = graphs.stats().captures;
     row.prefill_tokens_per_s = cell.batch == 1 ? double(cell.context) / prefill_s : 0.0;
-    std::fprintf(stderr, "bench_qwen4exp: %s batch %d context %lld: step %.3f ms\n",
-                 row.cache.c_str(), row.batch, static_cast<long long>(row.context), row.step_ms);
+    std::fprintf(stderr,
+                 "bench_qwen4exp: %s batch %d context %lld: step %.3f ms eager, %.3f ms from "
+                 "graphs (%lld captured)\n",
+                 row.cache.c_str(), row.batch, static_cast<long long>(row.context), row.step_ms,
+                 row.graph_step_ms, static_cast<long long>(row.graph_captures));
     rows.push_back(row);
   }
   if (calibrate) {
@@ -499,8 +522,8 @@ int main(int argc, char** argv) {
       "copy read rate %.0f GB/s\n",
       static_cast<long long>(synth.n_layers), static_cast<long long>(synth.n_experts),
       static_cast<long long>(synth.experts_top_k), weights_text.c_str(), rate / 1e9);
-  std::printf("%-6s %6s %8s %10s %12s %12s %14s\n", "cache", "batch", "context", "step_ms",
-              "bound_ms", "step/bound", "prefill_tok/s");
+  std::printf("%-6s %6s %8s %10s %10s %12s %12s %12s %14s\n", "cache", "batch", "context",
+              "step_ms", "graph_ms", "bound_ms", "step/bound", "graph/bound", "prefill_tok/s");
   FILE* f = std::fopen(json_path, "w");
   if (f == nullptr) return 1;
   std::fprintf(f,
@@ -512,13 +535,16 @@ int main(int argc, char** argv) {
     const Row& r = rows[i];
     const KvCacheDtype dtype = r.cache == "e4m3" ? KvCacheDtype::kE4m3 : KvCacheDtype::kF16;
     const double bound_ms = r.batch == 1 ? step_bytes(synth, r.context, dtype) / rate * 1e3 : 0.0;
-    std::printf("%-6s %6d %8lld %10.3f %12.3f %12.2f %14.0f\n", r.cache.c_str(), r.batch,
-                static_cast<long long>(r.context), r.step_ms, bound_ms,
-                bound_ms > 0 ? r.step_ms / bound_ms : 0.0, r.prefill_tokens_per_s);
+    std::printf("%-6s %6d %8lld %10.3f %10.3f %12.3f %12.2f %12.2f %14.0f\n", r.cache.c_str(),
+                r.batch, static_cast<long long>(r.context), r.step_ms, r.graph_step_ms, bound_ms,
+                bound_ms > 0 ? r.step_ms / bound_ms : 0.0,
+                bound_ms > 0 ? r.graph_step_ms / bound_ms : 0.0, r.prefill_tokens_per_s);
     std::fprintf(f,
                  "  {\"cache\": \"%s\", \"batch\": %d, \"context\": %lld, \"step_ms\": %.5f, "
+                 "\"graph_step_ms\": %.5f, \"graph_captures\": %lld, "
                  "\"bound_ms\": %.5f, \"prefill_tokens_per_s\": %.1f, ",
-                 r.cache.c_str(), r.batch, static_cast<long long>(r.context), r.step_ms, bound_ms,
+                 r.cache.c_str(), r.batch, static_cast<long long>(r.context), r.step_ms,
+                 r.graph_step_ms, static_cast<long long>(r.graph_captures), bound_ms,
                  r.prefill_tokens_per_s);
     json_sections(f, "isolated", r.isolated);
     std::fprintf(f, ", ");
