@@ -65,6 +65,15 @@ TEST_F(GenerateCli, JsonOutputIsDeterministicAtTemperatureZero) {
   EXPECT_EQ(a, b);
 }
 
+// --enforce-eager (no decode-step graphs; the CPU backend has none, so the tokens are the same).
+TEST_F(GenerateCli, EnforceEagerIsAcceptedAndChangesNoToken) {
+  const std::vector<std::string> args{"generate",     "--prompt", "Hello world",
+                                      "--max-tokens", "8",        "--json"};
+  std::vector<std::string> eager = args;
+  eager.push_back("--enforce-eager");
+  EXPECT_EQ(parse(run(eager))["output_ids"], parse(run(args))["output_ids"]);
+}
+
 TEST_F(GenerateCli, StreamedTextEqualsTheJsonText) {
   const json j = parse(run({"generate", "--prompt", "Hello world", "--max-tokens", "8", "--json"}));
   RunResult streamed = run({"generate", "--prompt", "Hello world", "--max-tokens", "8"});
