@@ -16,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=build-gpu90
 PACK=out/gpubin.tar.xz
-BINS=(e4kv bench/e4kv_bench_qwen4exp tests/e4kv_cuda_tests bench/e4kv_bench bench/e4kv_bench_quant_linear)
+BINS=(e4kv bench/e4kv_bench_qwen4exp tests/e4kv_cuda_tests bench/e4kv_bench bench/e4kv_bench_quant_linear
+  bench/e4kv_bench_dense_decode)
 
 case "${1:-}" in
   pack)
@@ -25,7 +26,7 @@ case "${1:-}" in
         -DE4KV_WERROR=ON -DE4KV_BUILD_BENCH=ON -DE4KV_USE_ICU=OFF -DCMAKE_BUILD_TYPE=Release
     fi
     cmake --build $B -j "$(nproc)" --target e4kv e4kv_bench_qwen4exp e4kv_cuda_tests e4kv_bench \
-      e4kv_bench_quant_linear
+      e4kv_bench_quant_linear e4kv_bench_dense_decode
     stage=$(mktemp -d)
     trap 'rm -rf "$stage"' EXIT
     for b in "${BINS[@]}"; do
