@@ -376,6 +376,23 @@ class Backend {
                                   void* out);
   // out[i] = silu(x[i] * scale). x, out: [n] act (may alias).
   virtual Status silu_scaled(const void* x, int64_t n, float scale, void* out);
+  // A hyper-connection block's whole input mix for a few rows (decode steps), where the backend
+  // has a fused form (model/layers/hyper_connection.h): the composition of rms_norm_grouped
+  // (kOnePlusWeight) of x, linear(down), silu_scaled(1 / streams), linear(up), hc_mix and, when
+  // `inject` is given, linear(inject) into inj, each intermediate rounded to act as those ops
+  // store it. Returns false, doing nothing, for a shape without the fused form (the caller runs
+  // the composition). x: [n_rows, streams * hidden] act; norm_weight: [streams * hidden]; down:
+  // [rank, streams * hidden]; up: [streams * hidden, rank]; inject: [streams, streams * hidden]
+  // or null; mix: [n_rows, hidden]; inj: [n_rows, streams] act (null with inject); scratch:
+  // backend memory of scratch_bytes.
+  virtual Result<bool> hc_mix_fused(const void* /*x*/, const void* /*norm_weight*/,
+                                    const void* /*down*/, const void* /*up*/,
+                                    const void* /*inject*/, int64_t /*n_rows*/,
+                                    int64_t /*streams*/, int64_t /*hidden*/, int64_t /*rank*/,
+                                    float /*eps*/, void* /*mix*/, void* /*inj*/,
+                                    void* /*scratch*/, size_t /*scratch_bytes*/) {
+    return false;
+  }
   // Hyper-connection input mixer: mix[r] = mean over streams s of sigmoid(up[r, s]) * xn[r, s].
   // up, xn: [n_rows, n_streams, hidden] act; mix: [n_rows, hidden] act
   virtual Status hc_mix(const void* up, const void* xn, int64_t n_rows, int64_t n_streams,

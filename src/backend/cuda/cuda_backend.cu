@@ -18,6 +18,7 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/gated_delta_rule.cuh"
+#include "backend/cuda/hc_mix_fused.cuh"
 #include "backend/cuda/hybrid_ops.cuh"
 #include "backend/cuda/model_ops.cuh"
 #include "backend/cuda/moe.cuh"
@@ -385,6 +386,22 @@ class CudaBackend final : public Backend, public StepProfiler {
                           int64_t dim, float eps, RmsNormForm form, void* out) override {
     cuda::rms_norm_grouped_f16(h(x), h(weight), n_rows, n_groups, dim, eps, form, h(out), stream_);
     return ok_status();
+  }
+  Result<bool> hc_mix_fused(const void* x, const void* norm_weight, const void* down,
+                            const void* up, const void* inject, int64_t n_rows, int64_t streams,
+                            int64_t hidden, int64_t rank, float eps, void* mix, void* inj,
+                            void* scratch, size_t scratch_bytes) override {
+    if (!cuda::hc_mix_fused_supported(n_rows, streams, hidden, rank) ||
+        scratch_bytes < cuda::hc_mix_fused_scratch_bytes(n_rows, streams, rank)) {
+      return false;
+    }
+    for (const void* p : {x, norm_weight, down, up, inject, static_cast<const void*>(mix),
+                          static_cast<const void*>(inj), static_cast<const void*>(scratch)}) {
+      if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    }
+    cuda::hc_mix_fused_f16(h(x), h(norm_weight), h(down), h(up), h(inject), n_rows, streams,
+                           hidden, rank, eps, h(mix), h(inj), scratch, stream_);
+    return true;
   }
   Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
     cuda::silu_scaled_f16(h(x), n, scale, h(out), stream_);

@@ -42,6 +42,15 @@ Status HyperConnection::mix(Backend& b, int64_t n, const void* x, void* mix,
   const HyperConnectionShape& s = shape_;
   const DType act = b.act_dtype();
   const float inv_streams = 1.0f / float(s.streams);
+  {
+    const bool inject = !inject_.empty();
+    E4KV_ASSIGN_OR_RETURN(
+        const bool fused,
+        b.hc_mix_fused(x, norm_.data(), down_.data(), up_.data(),
+                       inject ? inject_.data() : nullptr, n, s.streams, s.hidden, s.rank, s.eps,
+                       mix, inject ? ws.inj.data() : nullptr, ws.up.data(), ws.up.bytes()));
+    if (fused) return ok_status();
+  }
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(x, norm_.data(), n, s.streams, s.hidden, s.eps,
                                           RmsNormForm::kOnePlusWeight, ws.xn.data()));
   E4KV_RETURN_IF_ERROR(

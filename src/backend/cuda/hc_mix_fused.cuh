@@ -1,0 +1,41 @@
+// The hyper-connection block's input mix for a few rows (decode steps) in two launches instead of
+// six: the grouped (1 + w) RMSNorm of the streams, the down projection, silu(. / S), the up
+// projection, the sigmoid-weighted mean over the streams and, for a layer block, the injection
+// logits (model/layers/hyper_connection.h gives the block; the CPU references are
+// backend/cpu/hyper_connection.h's and the linear's). Each intermediate is rounded to FP16 where
+// the unfused ops store it (the normalised streams, the projections' outputs, the activation), so
+// the two paths differ only by the order of their fp32 sums.
+//
+//   launch 1 (one warp per down or injection output): every CTA normalises each row into shared
+//            memory, then its warps take one dot product each over the row (the down projection's
+//            outputs go through silu(. / S) into an fp32 scratch; the injection logits to `inj`)
+//   launch 2 (one warp per hidden column): the up projection's S logits of the column from the
+//            scratch, the normalised inputs recomputed from x, the mean written to `mix`
+// The weights are read once per step (each row after the first reads them from L2).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace e4kv::cuda {
+
+inline constexpr int64_t kHcFusedMaxRows = 8;
+
+// Whether the fused form takes this shape: n_rows <= kHcFusedMaxRows, streams <= 8, hidden and
+// rank multiples of 8, rank <= 1024, a row of streams * hidden FP16 values within 48 KB.
+bool hc_mix_fused_supported(int64_t n_rows, int64_t streams, int64_t hidden, int64_t rank);
+// The fp32 scratch the launches pass between them: n_rows * (rank + streams) floats.
+size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank);
+
+// x: [n_rows, streams * hidden] FP16; norm_weight: [streams * hidden]; down: [rank, streams *
+// hidden]; up: [streams * hidden, rank]; inject: [streams, streams * hidden] or null (the final
+// mixer); mix: [n_rows, hidden] FP16; inj: [n_rows, streams] FP16 (null when inject is);
+// scratch: hc_mix_fused_scratch_bytes, 16-byte aligned. Every pointer 16-byte aligned.
+void hc_mix_fused_f16(const uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
+                      const uint16_t* up, const uint16_t* inject, int64_t n_rows, int64_t streams,
+                      int64_t hidden, int64_t rank, float eps, uint16_t* mix, uint16_t* inj,
+                      void* scratch, cudaStream_t stream);
+
+}  // namespace e4kv::cuda

@@ -1,0 +1,142 @@
+// The fused hyper-connection mix (backend/cuda/hc_mix_fused.cuh) against the composition of the
+// CUDA backend's own ops it replaces (rms_norm_grouped, linear, silu_scaled, linear, hc_mix, and
+// linear for the injection logits) on the same FP16 inputs, at 1, 3 and 8 rows, with and without
+// the injection, at a small shape and the benchmark model's (4 streams of 2048, rank 320). Both
+// paths round every intermediate to FP16 at the same points; they differ by the order of their
+// fp32 sums, so the outputs agree to a few FP16 ulps (relative L2 <= 2e-3, where a wrong stream,
+// row or weight layout is of order 1). Also: more rows than the fused form takes run the
+// composition (hc_mix_fused returns false and writes nothing).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/hc_mix_fused.cuh"
+#include "core/half.h"
+#include "cuda/require_gpu.h"
+
+namespace e4kv {
+namespace {
+
+struct Shape {
+  int64_t streams, hidden, rank;
+};
+
+std::vector<uint16_t> random_f16(size_t n, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<uint16_t> out(n);
+  for (uint16_t& v : out) v = f32_to_f16(d(rng));
+  return out;
+}
+
+BackendBuffer upload(Backend& b, const std::vector<uint16_t>& host) {
+  Result<BackendBuffer> buf = b.allocate(host.size() * 2);
+  EXPECT_TRUE(buf.ok()) << buf.message();
+  b.copy_from_host(buf->data(), host.data(), host.size() * 2);
+  return std::move(buf).value();
+}
+
+std::vector<float> download(Backend& b, const BackendBuffer& buf, size_t n) {
+  std::vector<uint16_t> raw(n);
+  b.copy_to_host(raw.data(), buf.data(), n * 2);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(raw[i]);
+  return out;
+}
+
+double rel_l2(const std::vector<float>& want, const std::vector<float>& got) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (double(want[i]) - got[i]) * (double(want[i]) - got[i]);
+    den += double(want[i]) * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+TEST(HcMixFusedCuda, EqualsTheComposedOps) {
+  E4KV_REQUIRE_GPU();
+  Result<std::unique_ptr<Backend>> made = make_cuda_backend();
+  ASSERT_TRUE(made.ok()) << made.message();
+  Backend& b = **made;
+  std::mt19937 rng(11);
+  for (const Shape shape : {Shape{4, 256, 64}, Shape{4, 2048, 320}, Shape{2, 512, 40}}) {
+    const int64_t width = shape.streams * shape.hidden;
+    const float eps = 1e-6f;
+    const auto x_host = random_f16(size_t(8 * width), 1.0f, rng);
+    const BackendBuffer x = upload(b, x_host);
+    const BackendBuffer norm = upload(b, random_f16(size_t(width), 0.1f, rng));
+    const BackendBuffer down =
+        upload(b, random_f16(size_t(shape.rank * width), 1.0f / std::sqrt(float(width)), rng));
+    const BackendBuffer up =
+        upload(b, random_f16(size_t(width * shape.rank), 1.0f / std::sqrt(float(shape.rank)), rng));
+    const BackendBuffer inject =
+        upload(b, random_f16(size_t(shape.streams * width), 1.0f / std::sqrt(float(width)), rng));
+    for (const int64_t n : {1, 3, 8}) {
+      for (const bool with_inject : {true, false}) {
+        SCOPED_TRACE(testing::Message() << shape.streams << " x " << shape.hidden << ", rank "
+                                        << shape.rank << ", " << n << " rows, inject "
+                                        << with_inject);
+        // The composition, as model/layers/hyper_connection.cpp runs it.
+        Result<BackendBuffer> xn = b.allocate(size_t(n * width) * 2);
+        Result<BackendBuffer> a = b.allocate(size_t(n * shape.rank) * 2);
+        Result<BackendBuffer> u = b.allocate(size_t(n * width) * 2);
+        Result<BackendBuffer> mix_want = b.allocate(size_t(n * shape.hidden) * 2);
+        Result<BackendBuffer> inj_want = b.allocate(size_t(n * shape.streams) * 2);
+        ASSERT_TRUE(xn.ok() && a.ok() && u.ok() && mix_want.ok() && inj_want.ok());
+        ASSERT_TRUE(b.rms_norm_grouped(x.data(), norm.data(), n, shape.streams, shape.hidden, eps,
+                                       RmsNormForm::kOnePlusWeight, xn->data())
+                        .ok());
+        ASSERT_TRUE(b.linear(xn->data(), down.data(), nullptr, n, width, shape.rank, a->data(),
+                             DType::kF16)
+                        .ok());
+        ASSERT_TRUE(
+            b.silu_scaled(a->data(), n * shape.rank, 1.0f / float(shape.streams), a->data()).ok());
+        ASSERT_TRUE(
+            b.linear(a->data(), up.data(), nullptr, n, shape.rank, width, u->data(), DType::kF16)
+                .ok());
+        ASSERT_TRUE(
+            b.hc_mix(u->data(), xn->data(), n, shape.streams, shape.hidden, mix_want->data()).ok());
+        ASSERT_TRUE(b.linear(xn->data(), inject.data(), nullptr, n, width, shape.streams,
+                             inj_want->data(), DType::kF16)
+                        .ok());
+        // The fused form.
+        Result<BackendBuffer> mix_got = b.allocate(size_t(n * shape.hidden) * 2);
+        Result<BackendBuffer> inj_got = b.allocate(size_t(n * shape.streams) * 2);
+        const size_t scratch_bytes = cuda::hc_mix_fused_scratch_bytes(n, shape.streams, shape.rank);
+        Result<BackendBuffer> scratch = b.allocate(scratch_bytes);
+        ASSERT_TRUE(mix_got.ok() && inj_got.ok() && scratch.ok());
+        Result<bool> fused = b.hc_mix_fused(
+            x.data(), norm.data(), down.data(), up.data(), with_inject ? inject.data() : nullptr, n,
+            shape.streams, shape.hidden, shape.rank, eps, mix_got->data(),
+            with_inject ? inj_got->data() : nullptr, scratch->data(), scratch_bytes);
+        ASSERT_TRUE(fused.ok()) << fused.message();
+        ASSERT_TRUE(*fused);
+        const size_t mix_n = size_t(n * shape.hidden);
+        const std::vector<float> want = download(b, *mix_want, mix_n);
+        const std::vector<float> got = download(b, *mix_got, mix_n);
+        EXPECT_LE(rel_l2(want, got), 2e-3);
+        if (with_inject) {
+          const size_t inj_n = size_t(n * shape.streams);
+          EXPECT_LE(rel_l2(download(b, *inj_want, inj_n), download(b, *inj_got, inj_n)), 2e-3);
+        }
+      }
+    }
+    // Beyond the fused form's rows: false, and the caller composes.
+    Result<BackendBuffer> scratch = b.allocate(1 << 20);
+    Result<BackendBuffer> mix = b.allocate(size_t(16 * shape.hidden) * 2);
+    ASSERT_TRUE(scratch.ok() && mix.ok());
+    Result<bool> too_many = b.hc_mix_fused(x.data(), norm.data(), down.data(), up.data(), nullptr,
+                                           cuda::kHcFusedMaxRows + 1, shape.streams, shape.hidden,
+                                           shape.rank, eps, mix->data(), nullptr, scratch->data(),
+                                           1 << 20);
+    ASSERT_TRUE(too_many.ok());
+    EXPECT_FALSE(*too_many);
+  }
+}
+
+}  // namespace
+}  // namespace e4kv
