@@ -217,6 +217,47 @@ TEST_P(StepGraphsTest, EngineWithGraphsGivesTheEagerTokens) {
   EXPECT_GT(graph_stats.eager, 0);     // the prefill steps
 }
 
+// Calibration statistics come from eager forwards only: while the model collects them, an engine
+// with graphs available (emulated) replays nothing, and what it collects equals what the eager
+// engine collects from the same requests.
+TEST_P(StepGraphsTest, NoGraphsWhileCalibrationStatisticsAreCollected) {
+  auto model = load(/*n_blocks=*/16, /*max_seqs=*/4, /*max_batch_tokens=*/48);
+  ASSERT_NE(model, nullptr);
+  auto collect = [&](bool graphs, int64_t* replays) {
+    cpu_backend_emulate_graphs(*backend_, graphs);
+    EXPECT_TRUE(model->start_kv_statistics().ok());
+    EngineConfig config;
+    config.enforce_eager = !graphs;
+    Engine engine(*model, config);
+    for (int i = 0; i < 4; ++i) {
+      RequestParams params;
+      params.max_tokens = 6;
+      std::vector<int32_t> prompt(size_t(5 + 7 * i));
+      for (size_t t = 0; t < prompt.size(); ++t) prompt[t] = int32_t(3 + (t * 31 + size_t(i)) % 200);
+      EXPECT_TRUE(engine.add_request(prompt, params).ok());
+    }
+    for (int steps = 0; engine.has_unfinished() && steps < 1000; ++steps) {
+      EXPECT_TRUE(engine.step().ok());
+    }
+    *replays = engine.step_graphs().stats().replays;
+    Result<std::vector<LayerKvStats>> stats = model->kv_statistics();
+    EXPECT_TRUE(stats.ok()) << stats.message();
+    model->stop_kv_statistics();
+    cpu_backend_emulate_graphs(*backend_, false);
+    return stats.ok() ? *stats : std::vector<LayerKvStats>{};
+  };
+  int64_t graph_replays = -1, eager_replays = -1;
+  const std::vector<LayerKvStats> with_graphs = collect(true, &graph_replays);
+  const std::vector<LayerKvStats> eager = collect(false, &eager_replays);
+  EXPECT_EQ(graph_replays, 0);
+  ASSERT_FALSE(eager.empty());
+  ASSERT_EQ(with_graphs.size(), eager.size());
+  for (size_t l = 0; l < eager.size(); ++l) {
+    EXPECT_GT(eager[l].k.count(), 0);
+    EXPECT_TRUE(with_graphs[l].k == eager[l].k && with_graphs[l].v == eager[l].v) << "layer " << l;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, StepGraphsTest, ::testing::Values("llama", "qwen4exp"));
 
 }  // namespace
