@@ -62,6 +62,16 @@ Result<DeviceLogits> StepGraphs::forward(const ForwardBatch& batch) {
   });
   if (it != graphs_.end()) {
     graphs_.splice(graphs_.begin(), graphs_, it);
+  } else if (std::find(warmed_.begin(), warmed_.end(), std::pair{bucket, signature}) ==
+             warmed_.end()) {
+    // The first step of a (bucket, signature) runs eagerly: whatever an op does on its first
+    // launch of a shape (a kernel attribute, a workspace) happens outside any capture. The next
+    // such step is captured.
+    warmed_.push_back({bucket, signature});
+    if (warmed_.size() > kWarmedKept) warmed_.erase(warmed_.begin());
+    ++stats_.eager;
+    if (pad > 0) ++padded_since_reset_;
+    return model_.finish_step(padded, model_.run_device(padded));
   } else {
     // The graph reads only the device buffers prepare() refreshes; run_device sees the batch's
     // purpose alone (graph forwards never reach the calibration statistics).

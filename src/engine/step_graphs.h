@@ -5,9 +5,11 @@
 // A step whose rows are all decode rows (one per sequence, each sampled) and that fits the largest
 // bucket runs padded to its bucket (1, 2, 4, 8, then multiples of 8 up to the engine's
 // max_num_seqs, vLLM's capture sizes): the model's host half runs on the padded batch, the graph
-// of (bucket, launch signature) is captured the first time that pair is met and replayed from then
-// on, and the model's tail commits the real sequences and returns their logits. Every other step
-// (prefill, mixed, probes, calibration statistics, a backend without graphs) runs eagerly. The
+// of (bucket, launch signature) runs eagerly the first time that pair is met (whatever an op does
+// on its first launch of a shape happens outside a capture), is captured the second time and
+// replayed from then on, and the model's tail commits the real sequences and returns their
+// logits. Every other step (prefill, mixed, probes, calibration statistics, a backend without
+// graphs) runs eagerly. The
 // launch signature (Backend::launch_signature: the attention plans' split counts) changes as the
 // contexts grow, so each bucket keeps its few most recent graphs.
 #pragma once
@@ -73,6 +75,10 @@ class StepGraphs {
   bool active_ = false;
   std::vector<int64_t> buckets_;
   std::list<Entry> graphs_;  // most recently used first
+  // (bucket, signature) pairs whose first step ran eagerly (the next one is captured), oldest
+  // first, at most kWarmedKept.
+  static constexpr size_t kWarmedKept = 256;
+  std::vector<std::pair<int64_t, uint64_t>> warmed_;
   StepGraphStats stats_;
   int64_t padded_since_reset_ = 0;
   std::string capture_error_;
