@@ -132,16 +132,24 @@ double expert_bytes_per_weight(const SynthCheckpointOptions& o) {
   return 0.5 + 2.0 / g + (o.quant_zero_point ? 0.5 / g : 0.0);
 }
 
-// Bytes one batch-1 decode step at `context` must read (see the head comment).
-double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype dtype) {
+// Bytes one batch-1 decode step at `context` must read (see the head comment), by the profile
+// section that reads them (the sections the model marks: model/families/qwen4exp.cpp; the final
+// mixer runs inside the logits head's section).
+struct SectionBytes {
+  std::string name;
+  double bytes = 0;
+};
+
+std::vector<SectionBytes> step_bytes_by_section(const SynthCheckpointOptions& o, int64_t context,
+                                                KvCacheDtype dtype) {
   const double h = double(o.hidden_size);
   const double width = double(o.hc_count) * h;
   const double q_dim = double(o.n_heads * o.head_dim);
   const double kv_dim = double(o.n_kv_heads * o.head_dim);
   const double kd = double(o.linear_key_heads * o.linear_head_dim);
   const double vd = double(o.linear_value_heads * o.linear_head_dim);
+  // Weights in FP16 values (x 2 bytes below); routed experts in FP16-weight equivalents.
   const double hc = 2 * (2 * width * double(o.hc_lowrank) + double(o.hc_count) * width);
-  // Routed experts in FP16-weight equivalents, so that the sum below stays in FP16 weights.
   const double moe = double(o.n_experts) * h +
                      double(o.experts_top_k) * 3 * h * double(o.moe_intermediate_size) *
                          expert_bytes_per_weight(o) / 2.0 +
@@ -149,23 +157,29 @@ double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype
   const double qsa =
       2 * q_dim * h + 2 * kv_dim * h + q_dim * h + double((o.index_heads + 1) * o.index_dim) * h;
   const double delta = (2 * kd + vd) * h + vd * h + 2 * double(o.linear_value_heads) * h + vd * h;
-  double weights = 0;
   int64_t n_qsa = 0;
-  for (int64_t i = 0; i < o.n_layers; ++i) {
-    const bool is_qsa = (i + 1) % 4 == 0;
-    n_qsa += is_qsa ? 1 : 0;
-    weights += hc + moe + (is_qsa ? qsa : delta);
-  }
-  weights += 2 * width * double(o.hc_lowrank) + h * double(o.vocab_size);  // final mixer, lm_head
-  weights *= 2;                                                            // FP16
+  for (int64_t i = 0; i < o.n_layers; ++i) n_qsa += (i + 1) % 4 == 0 ? 1 : 0;
+  const int64_t n_delta = o.n_layers - n_qsa;
   const double selected = double(std::min<int64_t>(context, o.index_budget + o.index_ratio - 1));
   const double kv = double(n_qsa) * selected * 2 * kv_dim * double(kv_cache_elem_bytes(dtype));
   const double index = double(n_qsa) * double(context / o.index_ratio) * double(o.index_dim) * 2;
   const double states =
-      double(o.n_layers - n_qsa) * 2 *
+      double(n_delta) * 2 *
       (double(o.linear_value_heads) * double(o.linear_head_dim * o.linear_head_dim) * 4 +
        3 * (2 * kd + vd) * 2);
-  return weights + kv + index + states;
+  return {
+      {"hyper_connection", 2 * hc * double(o.n_layers)},
+      {"qsa", 2 * qsa * double(n_qsa) + kv + index},
+      {"delta_net", 2 * delta * double(n_delta) + states},
+      {"moe", 2 * moe * double(o.n_layers)},
+      {"lm_head", 2 * (2 * width * double(o.hc_lowrank) + h * double(o.vocab_size))},
+  };
+}
+
+double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype dtype) {
+  double total = 0;
+  for (const SectionBytes& s : step_bytes_by_section(o, context, dtype)) total += s.bytes;
+  return total;
 }
 
 // Prefills one sequence (`salt` varies its ids) to `context` tokens in forwards of kPrefillChunk
@@ -363,11 +377,20 @@ std::vector<int64_t> parse_list(const char* flag, const char* text) {
   return values;
 }
 
-void print_sections(const char* what, const std::vector<ProfileSection>& sections) {
+// One line per section; with `bounds` (batch-1 rows), the section's own byte bound at the copy
+// rate beside its device time.
+void print_sections(const char* what, const std::vector<ProfileSection>& sections,
+                    const std::vector<SectionBytes>& bounds = {}, double rate = 0) {
   double host = 0, device = 0;
   for (const ProfileSection& s : sections) {
-    std::printf("    %-18s %-16s x%-4lld host %8.3f ms  device %8.3f ms\n", what, s.name.c_str(),
+    std::printf("    %-18s %-16s x%-4lld host %8.3f ms  device %8.3f ms", what, s.name.c_str(),
                 static_cast<long long>(s.count), s.host_ms, s.device_ms);
+    for (const SectionBytes& b : bounds) {
+      if (b.name != s.name || rate <= 0) continue;
+      const double bound_ms = b.bytes / rate * 1e3;
+      std::printf("  bound %8.3f ms (%5.1fx)", bound_ms, bound_ms > 0 ? s.device_ms / bound_ms : 0.0);
+    }
+    std::printf("\n");
     host += s.host_ms;
     device += s.device_ms;
   }
@@ -561,12 +584,16 @@ int main(int argc, char** argv) {
                 calibration.on_s, 100.0 * (calibration.on_s / calibration.off_s - 1.0));
   }
   std::printf("\nper-section timeline of one decode step (isolated: each section's own device time "
-              "and the host's cost to issue it; in place: the span it took in a normal step)\n");
+              "and the host's cost to issue it; in place: the span it took in a normal step; batch 1: "
+              "each section's own byte bound at the copy rate beside it)\n");
   for (const Row& r : rows) {
     std::printf("  %s batch %d context %lld\n", r.cache.c_str(), r.batch,
                 static_cast<long long>(r.context));
-    print_sections("isolated", r.isolated);
-    print_sections("in place", r.in_place);
+    const KvCacheDtype dtype = r.cache == "e4m3" ? KvCacheDtype::kE4m3 : KvCacheDtype::kF16;
+    const std::vector<SectionBytes> bounds =
+        r.batch == 1 ? step_bytes_by_section(synth, r.context, dtype) : std::vector<SectionBytes>{};
+    print_sections("isolated", r.isolated, bounds, rate);
+    print_sections("in place", r.in_place, bounds, rate);
   }
   return 0;
 }

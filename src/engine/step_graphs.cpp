@@ -18,10 +18,10 @@ std::vector<int64_t> StepGraphs::buckets_for(int64_t max_num_seqs) {
 
 StepGraphs::StepGraphs(Model& model, int64_t max_num_seqs, bool enabled) : model_(model) {
   const ModelLimits& limits = model.limits();
-  const int64_t largest = std::min({max_num_seqs, limits.max_seqs, limits.max_logit_rows,
-                                    limits.max_batch_tokens});
-  active_ = enabled && largest > 0 && model.supports_step_graphs() &&
-            model.backend().supports_graphs();
+  const int64_t largest =
+      std::min({max_num_seqs, limits.max_seqs, limits.max_logit_rows, limits.max_batch_tokens});
+  active_ =
+      enabled && largest > 0 && model.supports_step_graphs() && model.backend().supports_graphs();
   if (active_) buckets_ = buckets_for(largest);
 }
 

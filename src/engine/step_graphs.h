@@ -28,9 +28,9 @@
 namespace e4kv {
 
 struct StepGraphStats {
-  int64_t captures = 0;  // graphs recorded
-  int64_t replays = 0;   // steps run from a graph
-  int64_t eager = 0;     // steps run op by op
+  int64_t captures = 0;     // graphs recorded
+  int64_t replays = 0;      // steps run from a graph
+  int64_t eager = 0;        // steps run op by op
   int64_t padded_rows = 0;  // padding rows run (summed over the replays)
 };
 

@@ -77,9 +77,9 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
         upload(b, random_f16(size_t(shape.streams * width), 1.0f / std::sqrt(float(width)), rng));
     for (const int64_t n : {1, 3, 8}) {
       for (const bool with_inject : {true, false}) {
-        SCOPED_TRACE(testing::Message() << shape.streams << " x " << shape.hidden << ", rank "
-                                        << shape.rank << ", " << n << " rows, inject "
-                                        << with_inject);
+        SCOPED_TRACE(testing::Message()
+                     << shape.streams << " x " << shape.hidden << ", rank " << shape.rank << ", "
+                     << n << " rows, inject " << with_inject);
         // The composition, as model/layers/hyper_connection.cpp runs it.
         Result<BackendBuffer> xn = b.allocate(size_t(n * width) * 2);
         Result<BackendBuffer> a = b.allocate(size_t(n * shape.rank) * 2);
@@ -90,9 +90,9 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
         ASSERT_TRUE(b.rms_norm_grouped(x.data(), norm.data(), n, shape.streams, shape.hidden, eps,
                                        RmsNormForm::kOnePlusWeight, xn->data())
                         .ok());
-        ASSERT_TRUE(b.linear(xn->data(), down.data(), nullptr, n, width, shape.rank, a->data(),
-                             DType::kF16)
-                        .ok());
+        ASSERT_TRUE(
+            b.linear(xn->data(), down.data(), nullptr, n, width, shape.rank, a->data(), DType::kF16)
+                .ok());
         ASSERT_TRUE(
             b.silu_scaled(a->data(), n * shape.rank, 1.0f / float(shape.streams), a->data()).ok());
         ASSERT_TRUE(
@@ -129,10 +129,10 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
     Result<BackendBuffer> scratch = b.allocate(1 << 20);
     Result<BackendBuffer> mix = b.allocate(size_t(16 * shape.hidden) * 2);
     ASSERT_TRUE(scratch.ok() && mix.ok());
-    Result<bool> too_many = b.hc_mix_fused(x.data(), norm.data(), down.data(), up.data(), nullptr,
-                                           cuda::kHcFusedMaxRows + 1, shape.streams, shape.hidden,
-                                           shape.rank, eps, mix->data(), nullptr, scratch->data(),
-                                           1 << 20);
+    Result<bool> too_many =
+        b.hc_mix_fused(x.data(), norm.data(), down.data(), up.data(), nullptr,
+                       cuda::kHcFusedMaxRows + 1, shape.streams, shape.hidden, shape.rank, eps,
+                       mix->data(), nullptr, scratch->data(), 1 << 20);
     ASSERT_TRUE(too_many.ok());
     EXPECT_FALSE(*too_many);
   }

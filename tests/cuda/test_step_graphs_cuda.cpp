@@ -1,11 +1,11 @@
-// Graphs of the decode step (engine/step_graphs.h) on CUDA: two copies of a model on one backend run
-// the same decode steps, one eagerly padded to the step's bucket (forward_device with pad_to) and
-// one through StepGraphs (prepare, then a captured graph replayed). Their logits are bit-identical
-// at every step, for both families, at buckets 1, 4 and 8 with padding rows, while the contexts
-// grow across attention split boundaries (new captures). A capture fails on an allocation or a
-// wait for the device inside the device half, so graphs still being active at the end (and every
-// decode step but each pair's first a replay) shows the device half issues neither. Workspace growth is forbidden
-// throughout.
+// Graphs of the decode step (engine/step_graphs.h) on CUDA: two copies of a model on one backend
+// run the same decode steps, one eagerly padded to the step's bucket (forward_device with pad_to)
+// and one through StepGraphs (prepare, then a captured graph replayed). Their logits are
+// bit-identical at every step, for both families, at buckets 1, 4 and 8 with padding rows, while
+// the contexts grow across attention split boundaries (new captures). A capture fails on an
+// allocation or a wait for the device inside the device half, so graphs still being active at the
+// end (and every decode step but each pair's first a replay) shows the device half issues neither.
+// Workspace growth is forbidden throughout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -75,7 +75,8 @@ void run_graphs_against_eager(Model& eager, Model& graphed, Backend& backend) {
     }
     allocator.append(tables[s], len);
     const int32_t last[1] = {len - 1};
-    ForwardBatch prefill{ids, seq, pos, {&tables[s]}, last, std::span<const int32_t>(&slots_e[s], 1)};
+    ForwardBatch prefill{ids,          seq,  pos,
+                         {&tables[s]}, last, std::span<const int32_t>(&slots_e[s], 1)};
     Result<std::vector<float>> le = eager.forward(prefill);
     prefill.seq_slots = std::span<const int32_t>(&slots_g[s], 1);
     Result<std::vector<float>> lg = graphed.forward(prefill);
@@ -101,8 +102,8 @@ void run_graphs_against_eager(Model& eager, Model& graphed, Backend& backend) {
         tabs.push_back(&tables[s]);
       }
       ForwardBatch batch{ids, seq, pos, tabs, rows, std::span<const int32_t>(slots_e, size_t(n))};
-      const int64_t bucket = *std::lower_bound(graphs.buckets().begin(), graphs.buckets().end(),
-                                               int64_t(n));
+      const int64_t bucket =
+          *std::lower_bound(graphs.buckets().begin(), graphs.buckets().end(), int64_t(n));
       batch.pad_to = bucket;
       if (bucket > n && padded_since_reset >= StepGraphs::kPaddingStateResetSteps) {
         eager.reset_padding_state();

@@ -108,8 +108,8 @@ TEST_P(StepGraphsTest, PaddingRowsChangeNothingForTheRealRows) {
     }
     logit_rows.push_back(int32_t(ids.size()) - 1);
   }
-  ForwardBatch prefill{ids, row_seq, row_pos, {&tables[0], &tables[1], &tables[2]}, logit_rows,
-                       slots_a};
+  ForwardBatch prefill{ids,        row_seq, row_pos, {&tables[0], &tables[1], &tables[2]},
+                       logit_rows, slots_a};
   Result<std::vector<float>> first_a = plain->forward(prefill);
   prefill.seq_slots = slots_b;
   Result<std::vector<float>> first_b = padded->forward(prefill);
@@ -233,7 +233,8 @@ TEST_P(StepGraphsTest, NoGraphsWhileCalibrationStatisticsAreCollected) {
       RequestParams params;
       params.max_tokens = 6;
       std::vector<int32_t> prompt(size_t(5 + 7 * i));
-      for (size_t t = 0; t < prompt.size(); ++t) prompt[t] = int32_t(3 + (t * 31 + size_t(i)) % 200);
+      for (size_t t = 0; t < prompt.size(); ++t)
+        prompt[t] = int32_t(3 + (t * 31 + size_t(i)) % 200);
       EXPECT_TRUE(engine.add_request(prompt, params).ok());
     }
     for (int steps = 0; engine.has_unfinished() && steps < 1000; ++steps) {

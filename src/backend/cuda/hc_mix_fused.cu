@@ -137,7 +137,8 @@ __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant
   }
 }
 
-__global__ void __launch_bounds__(kThreads) hc_up_mix_kernel(const __grid_constant__ HcMixParams p) {
+__global__ void __launch_bounds__(kThreads)
+    hc_up_mix_kernel(const __grid_constant__ HcMixParams p) {
   enter_dependent_grid();
   extern __shared__ __align__(16) float act_s[];  // [n_rows, rank]
   for (int i = threadIdx.x; i < p.n_rows * p.rank; i += kThreads) act_s[i] = p.act[i];
