@@ -55,6 +55,12 @@ void Backend::release_host(void* data) {
   std::free(data);
 }
 
+Status Backend::add_rms_norm(void* x, const void* y, const void* weight, int64_t n_rows,
+                             int64_t dim, float eps, RmsNormForm form, void* out) {
+  E4KV_RETURN_IF_ERROR(add(x, y, n_rows * dim));
+  return rms_norm(x, weight, n_rows, dim, eps, form, out);
+}
+
 Status Backend::rms_norm_grouped(const void*, const void*, int64_t, int64_t, int64_t, float,
                                  RmsNormForm, void*) {
   return no_hybrid_op(*this, "rms_norm_grouped");

@@ -264,6 +264,11 @@ class Backend {
 
   // x += y. x, y: [n] act
   virtual Status add(void* x, const void* y, int64_t n) = 0;
+  // The residual add and the next norm in one: x += y (rounded to act, as add), then
+  // out = rms_norm(x) (as rms_norm). x, y: [n_rows, dim] act; weight: [dim] act; out: [n_rows,
+  // dim] act (not aliasing x or y). The default runs add then rms_norm.
+  virtual Status add_rms_norm(void* x, const void* y, const void* weight, int64_t n_rows,
+                              int64_t dim, float eps, RmsNormForm form, void* out);
 
   // dst = src converted element-wise (round to nearest even). Supported pairs: act -> kF16 (q, k,
   // v for the cache and attention), kF32 -> act (attention output), and a dtype to itself.
@@ -427,6 +432,17 @@ class Backend {
                                   int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
                                   int64_t head_v_dim, float* states, const SequenceRowsView& seqs,
                                   void* out);
+  // gated_delta_gates of (a, b, a_log, dt_bias) and then gated_delta_rule, for a backend that
+  // computes the gates inside the rule (the same values, one launch fewer). Returns false, doing
+  // nothing, where the backend has no such form (the caller runs the two ops). a, b: [n_rows,
+  // n_v_heads] act; the rest as the two ops.
+  virtual Result<bool> gated_delta_rule_raw_gates(
+      const void* /*qkv*/, const void* /*a*/, const void* /*b*/, const void* /*a_log*/,
+      const void* /*dt_bias*/, int64_t /*n_k_heads*/, int64_t /*n_v_heads*/,
+      int64_t /*head_k_dim*/, int64_t /*head_v_dim*/, float* /*states*/,
+      const SequenceRowsView& /*seqs*/, void* /*out*/) {
+    return false;
+  }
   // out = rnd(w * (x / rms(x))) * act(z) per row (Qwen4Exp's gated RMSNorm, plain weight).
   // x, z, out: [n_rows, dim] act (out may alias); weight: [dim] act
   virtual Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
@@ -474,7 +490,7 @@ class Backend {
                                        const LinearView& down, int64_t n_experts, int64_t hidden,
                                        int64_t inter, const int32_t* ids, const float* weights,
                                        int64_t n_rows, int64_t top_k, void* out);
-  // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] act
+  // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] fp32
   virtual Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                                    int64_t dim);
   // PLE gate: g = signed sqrt(sum_i kn[r, s, i] qn[r, s, i] / sqrt(hidden)), out[r, s] =

@@ -403,4 +403,100 @@ Result<LinearWeight> WeightLoader::load_linear_concat(const std::vector<std::str
   return upload_linear(modules[0], all);
 }
 
+namespace {
+
+// part.rows, or every row when it is empty; each range checked against the part's rows.
+std::vector<RowRange> part_rows(const LinearPart& part) {
+  if (part.rows.empty()) return {{0, part.out}};
+  for (const RowRange& r : part.rows) {
+    E4KV_ASSERT(r.begin >= 0 && r.count > 0 && r.begin + r.count <= part.out,
+                cat("LinearPart ", part.module, ": rows out of range"));
+  }
+  return part.rows;
+}
+
+bool all_rows(const LinearPart& part) {
+  return part.rows.empty() || (part.rows.size() == 1 && part.rows[0].begin == 0 &&
+                               part.rows[0].count == part.out);
+}
+
+}  // namespace
+
+Result<std::vector<WeightLoader::LinearStack>> WeightLoader::load_linear_stack(
+    const std::vector<LinearPart>& parts, int64_t in) {
+  E4KV_ASSERT(!parts.empty(), "load_linear_stack: no parts");
+  std::vector<HostLinear> hosts;
+  hosts.reserve(parts.size());
+  for (const LinearPart& part : parts) {
+    E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(part.module, part.out, in, part.meaning));
+    hosts.push_back(std::move(h));
+  }
+  auto same_format = [](const HostLinear& a, const HostLinear& b) {
+    return a.view.format == b.view.format && a.view.group == b.view.group &&
+           a.dense_dtype == b.dense_dtype && a.zeros.empty() == b.zeros.empty();
+  };
+  std::vector<LinearStack> out;
+  for (size_t first = 0; first < parts.size();) {
+    size_t end = first + 1;
+    while (end < parts.size() && same_format(hosts[end], hosts[first])) ++end;
+    for (size_t i = first; i < end; ++i) {
+      if (end - first == 1 && all_rows(parts[i])) break;  // uploaded as it is
+      HostLinear& h = hosts[i];
+      h.materialize_dense();
+      const std::vector<RowRange> ranges = part_rows(parts[i]);
+      int64_t rows = 0;
+      for (const RowRange& r : ranges) rows += r.count;
+      for (int p = 0; p < 4; ++p) h.planes(p)->take_row_ranges(ranges);
+      h.view.out = rows;
+    }
+    HostLinear& run = hosts[first];
+    for (size_t i = first + 1; i < end; ++i) {
+      for (int p = 0; p < 4; ++p) run.planes(p)->append(*hosts[i].planes(p));
+      run.view.out += hosts[i].view.out;
+      hosts[i] = HostLinear{};  // free the host copy early
+    }
+    E4KV_ASSIGN_OR_RETURN(LinearWeight w, upload_linear(parts[first].module, run));
+    run = HostLinear{};
+    out.push_back({std::move(w), end - first});
+    first = end;
+  }
+  return out;
+}
+
+Result<BackendBuffer> WeightLoader::load_bias_stack(const std::vector<LinearPart>& parts) {
+  std::vector<const SafetensorsTensor*> tensors;
+  const SafetensorsTensor* first = nullptr;
+  for (const LinearPart& part : parts) {
+    const SafetensorsTensor* t = nullptr;
+    if (part.bias) {
+      E4KV_ASSIGN_OR_RETURN(t, find(part.module + ".bias", {part.out}, part.meaning));
+      if (first == nullptr) {
+        first = t;
+      } else if (t->dtype != first->dtype) {
+        return Status::error(cat(ckpt_->dir().string(), ": tensor ", t->name, " is ",
+                                 dtype_name(t->dtype), " but ", first->name, " is ",
+                                 dtype_name(first->dtype),
+                                 "; the biases of one projection stack must share a dtype"));
+      }
+    }
+    tensors.push_back(t);
+  }
+  E4KV_ASSERT(first != nullptr, "load_bias_stack: no part has a bias");
+  const size_t elt = dtype_size(first->dtype);
+  std::vector<std::byte> bytes;
+  int64_t rows = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (const RowRange& r : part_rows(parts[i])) {
+      if (tensors[i] != nullptr) {
+        bytes.insert(bytes.end(), tensors[i]->bytes.begin() + long(size_t(r.begin) * elt),
+                     tensors[i]->bytes.begin() + long(size_t(r.begin + r.count) * elt));
+      } else {
+        bytes.insert(bytes.end(), size_t(r.count) * elt, std::byte{0});
+      }
+      rows += r.count;
+    }
+  }
+  return upload_host(first->name, first->dtype, {rows}, std::move(bytes));
+}
+
 }  // namespace e4kv

@@ -26,6 +26,17 @@ struct RowRange {
   int64_t count = 0;
 };
 
+// One projection of a stack that reads the same input (q, k and v; gate and up): the module, its
+// checkpoint rows and their meaning for errors, and the rows to keep (empty: all), one range after
+// another; bias: the module has `module.bias` [out] (cut to the same rows).
+struct LinearPart {
+  std::string module;
+  int64_t out = 0;
+  std::string meaning;
+  std::vector<RowRange> rows;
+  bool bias = false;
+};
+
 struct LinearSlice {
   enum class Dim : uint8_t { kAll, kRows, kColumns };
   Dim dim = Dim::kAll;
@@ -92,6 +103,19 @@ class WeightLoader {
   // (per-expert projections into the grouped layout the MoE ops read).
   Result<LinearWeight> load_linear_concat(const std::vector<std::string>& modules,
                                           int64_t out_each, int64_t in, std::string_view meaning);
+  // The parts' weights, each of logical shape [part.out, in] cut to part.rows, in order: each
+  // run of consecutive parts of one format (and group, zero points, dense dtype) stacked into
+  // one weight (its rows the parts' rows, one part after another). A checkpoint that left some
+  // parts unquantized gives one weight per run.
+  struct LinearStack {
+    LinearWeight weight;
+    size_t n_parts = 0;
+  };
+  Result<std::vector<LinearStack>> load_linear_stack(const std::vector<LinearPart>& parts,
+                                                     int64_t in);
+  // The parts' `module.bias` vectors cut to part.rows, stacked in order and uploaded as one;
+  // zeros for the rows of a part without one. At least one part must have a bias.
+  Result<BackendBuffer> load_bias_stack(const std::vector<LinearPart>& parts);
   // Counts every tensor whose name starts with `prefix` as used; returns how many (weights of a
   // part of the checkpoint the runtime does not run, such as a vision tower).
   int64_t skip_prefix(std::string_view prefix);

@@ -288,7 +288,7 @@ TEST(HybridOpsCuda, SigmoidGatedAddMatchesCpuReference) {
     sigmoid_gated_add(ref.data(), widen(y).data(), widen(gate).data(), s.n_rows, s.dim);
     DeviceBuffer<uint16_t> d_out(out);
     DeviceBuffer<uint16_t> d_y(y);
-    DeviceBuffer<uint16_t> d_gate(gate);
+    DeviceBuffer<float> d_gate(widen(gate));
     sigmoid_gated_add_f16(d_out.ptr, d_y.ptr, d_gate.ptr, s.n_rows, s.dim, nullptr);
     sync();
     EXPECT_TRUE(test::all_close(download(d_out), ref, kF16Atol, kF16Rtol));

@@ -338,6 +338,14 @@ class CudaBackend final : public Backend, public StepProfiler {
     return ok_status();
   }
 
+  Status add_rms_norm(void* x, const void* y, const void* weight, int64_t n_rows, int64_t dim,
+                      float eps, RmsNormForm form, void* out) override {
+    cuda::add_rms_norm_f16(static_cast<uint16_t*>(x), static_cast<const uint16_t*>(y),
+                           static_cast<const uint16_t*>(weight), n_rows, dim, eps, form,
+                           static_cast<uint16_t*>(out), stream_);
+    return ok_status();
+  }
+
   Status convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n) override {
     if (src_dtype == dst_dtype) {
       if (n > 0) {
@@ -447,6 +455,16 @@ class CudaBackend final : public Backend, public StepProfiler {
     return cuda::gated_delta_rule_f16(h(qkv), g, beta, n_k_heads, n_v_heads, head_k_dim, head_v_dim,
                                       states, seqs, h(out), stream_);
   }
+  Result<bool> gated_delta_rule_raw_gates(const void* qkv, const void* a, const void* b,
+                                         const void* a_log, const void* dt_bias,
+                                         int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
+                                         int64_t head_v_dim, float* states,
+                                         const SequenceRowsView& seqs, void* out) override {
+    E4KV_RETURN_IF_ERROR(cuda::gated_delta_rule_raw_gates_f16(
+        h(qkv), h(a), h(b), h(a_log), h(dt_bias), n_k_heads, n_v_heads, head_k_dim, head_v_dim,
+        states, seqs, h(out), stream_));
+    return true;
+  }
   Status gated_rms_norm(const void* x, const void* z, const void* weight, int64_t n_rows,
                         int64_t dim, float eps, bool sigmoid_gate, void* out) override {
     cuda::gated_rms_norm_f16(h(x), h(z), h(weight), n_rows, dim, eps, sigmoid_gate, h(out),
@@ -491,7 +509,8 @@ class CudaBackend final : public Backend, public StepProfiler {
   }
   Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                            int64_t dim) override {
-    cuda::sigmoid_gated_add_f16(h(out), h(y), h(gate), n_rows, dim, stream_);
+    cuda::sigmoid_gated_add_f16(h(out), h(y), static_cast<const float*>(gate), n_rows, dim,
+                                stream_);
     return ok_status();
   }
   Status ple_gate(const void* kn, const void* qn, const void* val, int64_t n_rows,

@@ -52,8 +52,12 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 struct GatedDeltaRuleKernelParams {
   const uint16_t* qkv;        // [n_rows, row_width] FP16
-  const float* g;             // [n_rows, n_v_heads]
-  const float* beta;          // [n_rows, n_v_heads]
+  const float* g;             // [n_rows, n_v_heads], or null: from the raw gates below
+  const float* beta;          // [n_rows, n_v_heads], or null: from the raw gates below
+  const uint16_t* raw_a;      // [n_rows, n_v_heads] FP16 (in_proj_a), with g null
+  const uint16_t* raw_b;      // [n_rows, n_v_heads] FP16 (in_proj_b), with beta null
+  const uint16_t* a_log;      // [n_v_heads] FP16
+  const uint16_t* dt_bias;    // [n_v_heads] FP16
   float* states;              // [n_slots, n_v_heads, head_k_dim, head_v_dim]
   const int32_t* row_begin;   // [n_seqs + 1]
   const int32_t* state_slot;  // [n_seqs]
@@ -106,8 +110,17 @@ __device__ __forceinline__ TokenInputs<kRows> load_token(const GatedDeltaRuleKer
     in.qk[j] = e < 2 * kRows && d < dk ? h2f((e < kRows ? q : k)[d]) : 0.0f;
   }
   in.v = column < p.head_v_dim ? h2f(v[column]) : 0.0f;
-  in.g = p.g[row * p.n_v_heads + v_head];
-  in.beta = p.beta[row * p.n_v_heads + v_head];
+  const int64_t gate = row * p.n_v_heads + v_head;
+  if (p.g != nullptr) {
+    in.g = p.g[gate];
+    in.beta = p.beta[gate];
+  } else {  // gated_delta_gates' formulas (hybrid_ops.cu), the same fp32 operations
+    const float s = h2f(p.raw_a[gate]) + h2f(p.dt_bias[v_head]);
+    const float softplus = s > 20.0f ? s : log1pf(expf(s));
+    const float decay_rate = expf(h2f(p.a_log[v_head]));
+    in.g = -decay_rate * softplus;
+    in.beta = 1.0f / (1.0f + expf(-h2f(p.raw_b[gate])));
+  }
   return in;
 }
 
@@ -231,12 +244,51 @@ void launch(const GatedDeltaRuleKernelParams& params, int64_t n_ctas, cudaStream
   launch_kernel(gated_delta_rule_kernel<kRows, kPrefetch, kMinCtas>, dims, stream, params);
 }
 
+// The gates as the kernel reads them: precomputed (g, beta) or raw (the other four).
+struct GateInputs {
+  const float* g;
+  const float* beta;
+  const uint16_t* raw_a;
+  const uint16_t* raw_b;
+  const uint16_t* a_log;
+  const uint16_t* dt_bias;
+};
+
+Status launch_rule(const uint16_t* qkv, const GateInputs& gates, int64_t n_k_heads,
+                   int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim, float* states,
+                   const SequenceRowsView& seqs, uint16_t* out, cudaStream_t stream);
+
 }  // namespace
 
 Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* beta,
                             int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
                             int64_t head_v_dim, float* states, const SequenceRowsView& seqs,
                             uint16_t* out, cudaStream_t stream) {
+  if (g == nullptr || beta == nullptr) {
+    return Status::error("gated_delta_rule_f16: null g or beta");
+  }
+  return launch_rule(qkv, GateInputs{g, beta, nullptr, nullptr, nullptr, nullptr}, n_k_heads,
+                     n_v_heads, head_k_dim, head_v_dim, states, seqs, out, stream);
+}
+
+Status gated_delta_rule_raw_gates_f16(const uint16_t* qkv, const uint16_t* a, const uint16_t* b,
+                                      const uint16_t* a_log, const uint16_t* dt_bias,
+                                      int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
+                                      int64_t head_v_dim, float* states,
+                                      const SequenceRowsView& seqs, uint16_t* out,
+                                      cudaStream_t stream) {
+  if (a == nullptr || b == nullptr || a_log == nullptr || dt_bias == nullptr) {
+    return Status::error("gated_delta_rule_raw_gates_f16: null a, b, a_log or dt_bias");
+  }
+  return launch_rule(qkv, GateInputs{nullptr, nullptr, a, b, a_log, dt_bias}, n_k_heads,
+                     n_v_heads, head_k_dim, head_v_dim, states, seqs, out, stream);
+}
+
+namespace {
+
+Status launch_rule(const uint16_t* qkv, const GateInputs& gates, int64_t n_k_heads,
+                   int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim, float* states,
+                   const SequenceRowsView& seqs, uint16_t* out, cudaStream_t stream) {
   constexpr const char* kOp = "gated_delta_rule_f16: ";
   if (n_k_heads < 1 || n_v_heads < 1 || head_k_dim < 1 || head_v_dim < 1) {
     return Status::error(cat(kOp, "bad shape n_k_heads ", n_k_heads, " n_v_heads ", n_v_heads,
@@ -260,9 +312,9 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
   if (seqs.n_seqs < 0) return Status::error(cat(kOp, "negative n_seqs ", seqs.n_seqs));
   if (seqs.n_seqs == 0) return ok_status();
   if (seqs.end_row == seqs.first_row) return ok_status();  // no rows: nothing to read or write
-  if (qkv == nullptr || g == nullptr || beta == nullptr || states == nullptr || out == nullptr ||
-      seqs.row_begin == nullptr || seqs.state_slot == nullptr) {
-    return Status::error(cat(kOp, "null qkv, g, beta, states, out, row_begin or state_slot"));
+  if (qkv == nullptr || states == nullptr || out == nullptr || seqs.row_begin == nullptr ||
+      seqs.state_slot == nullptr) {
+    return Status::error(cat(kOp, "null qkv, states, out, row_begin or state_slot"));
   }
   const int64_t n_column_tiles = (head_v_dim + kColumns - 1) / kColumns;
   const int64_t n_ctas = seqs.n_seqs * n_v_heads * n_column_tiles;
@@ -276,8 +328,12 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
   const int rows_per_thread = head_k_dim <= 128 ? 16 : 32;
   GatedDeltaRuleKernelParams params{};
   params.qkv = qkv;
-  params.g = g;
-  params.beta = beta;
+  params.g = gates.g;
+  params.beta = gates.beta;
+  params.raw_a = gates.raw_a;
+  params.raw_b = gates.raw_b;
+  params.a_log = gates.a_log;
+  params.dt_bias = gates.dt_bias;
   params.states = states;
   params.row_begin = seqs.row_begin;
   params.state_slot = seqs.state_slot;
@@ -299,5 +355,7 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
   E4KV_CUDA_CHECK_LAUNCH();
   return ok_status();
 }
+
+}  // namespace
 
 }  // namespace e4kv::cuda

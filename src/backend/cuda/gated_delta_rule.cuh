@@ -41,4 +41,15 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
                             int64_t head_v_dim, float* states, const SequenceRowsView& seqs,
                             uint16_t* out, cudaStream_t stream);
 
+// The same with the gates computed in the kernel from their raw inputs, as
+// gated_delta_gates_f16 (hybrid_ops.cuh) computes them: g = -exp(a_log) softplus(a + dt_bias),
+// beta = sigmoid(b) with the same fp32 operations, so the result equals gates-then-rule bit for
+// bit. a, b: [n_rows, n_v_heads] FP16; a_log, dt_bias: [n_v_heads] FP16.
+Status gated_delta_rule_raw_gates_f16(const uint16_t* qkv, const uint16_t* a, const uint16_t* b,
+                                      const uint16_t* a_log, const uint16_t* dt_bias,
+                                      int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
+                                      int64_t head_v_dim, float* states,
+                                      const SequenceRowsView& seqs, uint16_t* out,
+                                      cudaStream_t stream);
+
 }  // namespace e4kv::cuda

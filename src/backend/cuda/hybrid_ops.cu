@@ -304,14 +304,14 @@ __global__ void hc_expand_kernel(const uint16_t* __restrict__ e, int64_t n_rows,
 
 template <int kV>
 __global__ void sigmoid_gated_add_kernel(uint16_t* __restrict__ out, const uint16_t* __restrict__ y,
-                                         const uint16_t* __restrict__ gate, int64_t n_rows,
+                                         const float* __restrict__ gate, int64_t n_rows,
                                          int64_t dim) {
   enter_dependent_grid();
   const int64_t row_vecs = dim / kV;
   E4KV_GRID_STRIDE(idx, n_rows * row_vecs) {
     const int64_t r = idx / row_vecs;
     const int64_t offset = r * dim + (idx - r * row_vecs) * kV;
-    const float g = sigmoid(h2f(gate[r]));
+    const float g = sigmoid(gate[r]);
     float o[kV];
     float v[kV];
     load_vec<kV>(out + offset, o);
@@ -717,7 +717,7 @@ void gated_delta_gates_f16(const uint16_t* a, const uint16_t* b, const uint16_t*
                 n_rows, n_heads, g, beta);
 }
 
-void sigmoid_gated_add_f16(uint16_t* out, const uint16_t* y, const uint16_t* gate, int64_t n_rows,
+void sigmoid_gated_add_f16(uint16_t* out, const uint16_t* y, const float* gate, int64_t n_rows,
                            int64_t dim, cudaStream_t stream) {
   E4KV_ASSERT(n_rows >= 0 && dim > 0, cat("sigmoid_gated_add_f16: bad shape ", n_rows, " x ", dim));
   if (n_rows == 0) return;

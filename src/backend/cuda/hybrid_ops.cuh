@@ -70,8 +70,8 @@ void gated_rms_norm_f16(const uint16_t* x, const uint16_t* z, const uint16_t* we
                         cudaStream_t stream);
 
 // out[r, :] += sigmoid(gate[r]) * y[r, :]. out, y: [n_rows, dim] FP16 (no overlap);
-// gate: [n_rows] FP16
-void sigmoid_gated_add_f16(uint16_t* out, const uint16_t* y, const uint16_t* gate, int64_t n_rows,
+// gate: [n_rows] fp32
+void sigmoid_gated_add_f16(uint16_t* out, const uint16_t* y, const float* gate, int64_t n_rows,
                            int64_t dim, cudaStream_t stream);
 
 // PLE gate: g = kn[r, s, :] . qn[r, s, :] / sqrt(hidden), g = sign(g) sqrt(max(|g|, 1e-6)),

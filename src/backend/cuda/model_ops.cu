@@ -61,6 +61,47 @@ __global__ void rms_norm_kernel(const uint16_t* x, const uint16_t* weight, int64
   }
 }
 
+// One CTA per row, for long rows (a warp per row would walk 4096 elements with 32 threads): with
+// kAdd, each thread first makes its elements x = fp16(x + y) and writes them back; every thread
+// sums the squares of its elements (of the rounded sum), the warps reduce by shuffles and warp 0
+// the warps' sums; then each thread writes its elements' x * r * g (reading back what it wrote
+// itself, so out may alias x without kAdd).
+template <bool kAdd>
+__global__ void __launch_bounds__(kThreads)
+    row_rms_norm_kernel(uint16_t* x, const uint16_t* y, const uint16_t* weight, int64_t dim,
+                        float eps, bool one_plus, uint16_t* out) {
+  enter_dependent_grid();
+  __shared__ float warp_sums[kThreads / 32];
+  __shared__ float inv_rms;
+  const int64_t row = blockIdx.x;
+  uint16_t* xr = x + row * dim;
+  float ss = 0.0f;
+  for (int64_t j = threadIdx.x; j < dim; j += kThreads) {
+    float v = h2f(xr[j]);
+    if constexpr (kAdd) {
+      const uint16_t sum = f2h(v + h2f(y[row * dim + j]));
+      xr[j] = sum;
+      v = h2f(sum);
+    }
+    ss += v * v;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, off);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float total = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
+    for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xFFFFFFFFu, total, off);
+    if (threadIdx.x == 0) inv_rms = 1.0f / sqrtf(total / float(dim) + eps);
+  }
+  __syncthreads();
+  const float r = inv_rms;
+  uint16_t* yr = out + row * dim;
+  for (int64_t j = threadIdx.x; j < dim; j += kThreads) {
+    const float w = h2f(weight[j]);
+    yr[j] = f2h(h2f(xr[j]) * r * (one_plus ? 1.0f + w : w));
+  }
+}
+
 __global__ void rope_neox_kernel(uint16_t* x, const float* cos, const float* sin, int64_t n_rows,
                                  int64_t n_heads, int64_t head_dim, int64_t rotary_dim) {
   enter_dependent_grid();
@@ -133,6 +174,13 @@ void gather_rows_f16(const uint16_t* table, const int32_t* index, int64_t n, int
 void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int64_t dim, float eps,
                   RmsNormForm form, uint16_t* out, cudaStream_t stream) {
   if (n_rows == 0) return;
+  if (dim >= kRmsNormBlockDim) {
+    launch_kernel(row_rms_norm_kernel<false>,
+                  LaunchDims{dim3(static_cast<unsigned>(n_rows)), dim3(kThreads)}, stream,
+                  const_cast<uint16_t*>(x), static_cast<const uint16_t*>(nullptr), weight, dim,
+                  eps, form == RmsNormForm::kOnePlusWeight, out);
+    return;
+  }
   constexpr int kRowsPerBlock = kThreads / 32;
   const unsigned grid = static_cast<unsigned>((n_rows + kRowsPerBlock - 1) / kRowsPerBlock);
   launch_kernel(rms_norm_kernel, LaunchDims{dim3(grid), dim3(kThreads)}, stream, x, weight, n_rows,
@@ -167,6 +215,15 @@ void broadcast_bias(const uint16_t* bias, int64_t n_rows, int64_t cols, void* y,
                     cudaStream_t stream) {
   if (n_rows * cols == 0) return;
   launch_kernel(broadcast_bias_kernel, flat(n_rows * cols), stream, bias, n_rows, cols, y, y_f32);
+}
+
+void add_rms_norm_f16(uint16_t* x, const uint16_t* y, const uint16_t* weight, int64_t n_rows,
+                      int64_t dim, float eps, RmsNormForm form, uint16_t* out,
+                      cudaStream_t stream) {
+  if (n_rows == 0) return;
+  launch_kernel(row_rms_norm_kernel<true>,
+                LaunchDims{dim3(static_cast<unsigned>(n_rows)), dim3(kThreads)}, stream, x, y,
+                weight, dim, eps, form == RmsNormForm::kOnePlusWeight, out);
 }
 
 }  // namespace e4kv::cuda

@@ -15,7 +15,9 @@ namespace e4kv::cuda {
 void gather_rows_f16(const uint16_t* table, const int32_t* index, int64_t n, int64_t dim,
                      uint16_t* out, cudaStream_t stream);
 
-// x, out: [n_rows, dim] FP16 (may alias); weight: [dim] FP16
+// x, out: [n_rows, dim] FP16 (may alias); weight: [dim] FP16. Rows of at least
+// kRmsNormBlockDim elements take a CTA each, shorter ones (per-head norms) a warp each.
+inline constexpr int64_t kRmsNormBlockDim = 1024;
 void rms_norm_f16(const uint16_t* x, const uint16_t* weight, int64_t n_rows, int64_t dim, float eps,
                   RmsNormForm form, uint16_t* out, cudaStream_t stream);
 
@@ -29,6 +31,12 @@ void silu_mul_f16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64
 
 // x += y. [n] FP16 each
 void add_f16(uint16_t* x, const uint16_t* y, int64_t n, cudaStream_t stream);
+
+// x += y (rounded to FP16), then out = rms_norm(x): one CTA per row. x, y, out: [n_rows, dim]
+// FP16 (out aliasing neither); weight: [dim] FP16
+void add_rms_norm_f16(uint16_t* x, const uint16_t* y, const uint16_t* weight, int64_t n_rows,
+                      int64_t dim, float eps, RmsNormForm form, uint16_t* out,
+                      cudaStream_t stream);
 
 // dst = round_to_f16(src). [n] each
 void f32_to_f16(const float* src, uint16_t* dst, int64_t n, cudaStream_t stream);

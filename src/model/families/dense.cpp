@@ -246,6 +246,7 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   }
   E4KV_ASSIGN_OR_RETURN(ws.attention,
                         AttentionWorkspace::create(backend, attention.q_dim(), attention.kv_dim(),
+                                                   attention.q_dim() + 2 * attention.kv_dim(),
                                                    limits.max_batch_tokens));
   E4KV_ASSIGN_OR_RETURN(ws.mlp, MlpWorkspace::create(backend, core.config.intermediate_size,
                                                      limits.max_batch_tokens));
@@ -301,11 +302,15 @@ Status DenseModel::run_layers(const ForwardBatch& batch) {
 
   core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.x.data()));
+  // Each residual add runs with the norm after it (add_rms_norm); the last layer's add stays
+  // plain (the head norms only the rows it projects).
+  if (!layers_.empty()) {
+    core_.mark("attention");
+    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layers_[0].input_norm.data(), n, hidden, eps,
+                                    RmsNormForm::kWeight, ws.h.data()));
+  }
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    core_.mark("attention");
-    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.input_norm.data(), n, hidden, eps,
-                                    RmsNormForm::kWeight, ws.h.data()));
     probe_attention_input(b, batch.probe, int64_t(l), ws.h.data(),
                           size_t(n * hidden) * dtype_size(b.act_dtype()));
     E4KV_RETURN_IF_ERROR(layer.attention.forward(b, step, cache_view(l), ws.h.data(), ws.o.data(),
@@ -314,13 +319,19 @@ Status DenseModel::run_layers(const ForwardBatch& batch) {
     probe_attention_output(b, batch.probe, int64_t(l), ws.attention.attn.as<float>(), n,
                            layer.attention.shape().q_dim());
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
-    E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
     core_.mark("mlp");
-    E4KV_RETURN_IF_ERROR(b.rms_norm(ws.x.data(), layer.post_norm.data(), n, hidden, eps,
-                                    RmsNormForm::kWeight, ws.h.data()));
+    E4KV_RETURN_IF_ERROR(b.add_rms_norm(ws.x.data(), ws.o.data(), layer.post_norm.data(), n,
+                                        hidden, eps, RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
-    E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
+    if (l + 1 < layers_.size()) {
+      core_.mark("attention");
+      E4KV_RETURN_IF_ERROR(b.add_rms_norm(ws.x.data(), ws.o.data(),
+                                          layers_[l + 1].input_norm.data(), n, hidden, eps,
+                                          RmsNormForm::kWeight, ws.h.data()));
+    } else {
+      E4KV_RETURN_IF_ERROR(b.add(ws.x.data(), ws.o.data(), n * hidden));
+    }
   }
   return ok_status();
 }

@@ -5,28 +5,37 @@
 namespace e4kv {
 
 Result<AttentionWorkspace> AttentionWorkspace::create(Backend& backend, int64_t q_dim,
-                                                      int64_t kv_dim, int64_t max_rows) {
+                                                      int64_t kv_dim, int64_t proj_cols,
+                                                      int64_t max_rows) {
   AttentionWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
   const size_t q = size_t(q_dim);
   const size_t kv = size_t(kv_dim);
-  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.q, n * q * act},
-                                                  {&ws.k, n * kv * act},
-                                                  {&ws.v, n * kv * act},
-                                                  {&ws.q16, n * q * 2},
-                                                  {&ws.k16, n * kv * 2},
-                                                  {&ws.v16, n * kv * 2},
-                                                  {&ws.attn, n * q * 4}}));
+  E4KV_RETURN_IF_ERROR(allocate_buffers(
+      backend, {{&ws.proj, n * size_t(proj_cols) * act}, {&ws.attn, n * q * 4}}));
+  if (backend.act_dtype() != DType::kF16) {
+    E4KV_RETURN_IF_ERROR(allocate_buffers(
+        backend, {{&ws.q16, n * q * 2}, {&ws.k16, n * kv * 2}, {&ws.v16, n * kv * 2}}));
+  }
   if (backend.act_dtype() != DType::kF32) {
     E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.attn_act, n * q * act}}));
   }
   return ws;
 }
 
+AttentionRows AttentionRows::in(AttentionWorkspace& ws, DType act, void* q, void* k, void* v) {
+  AttentionRows r{q, k, v};
+  const bool f16 = act == DType::kF16;
+  r.q16 = f16 ? static_cast<uint16_t*>(q) : ws.q16.as<uint16_t>();
+  r.k16 = f16 ? static_cast<uint16_t*>(k) : ws.k16.as<uint16_t>();
+  r.v16 = f16 ? static_cast<uint16_t*>(v) : ws.v16.as<uint16_t>();
+  return r;
+}
+
 Status write_kv_rows(Backend& b, const StepContext& ctx, const KvCacheView& cache,
                      const AttentionHeads& h, const void* q_norm, const void* k_norm,
-                     RmsNormForm form, AttentionWorkspace& ws, unsigned long long* non_finite,
+                     RmsNormForm form, const AttentionRows& rows, unsigned long long* non_finite,
                      KvWriteStats* stats) {
   const int64_t n = ctx.n_rows();
   const int64_t q_dim = h.n_heads * h.head_dim;
@@ -34,19 +43,27 @@ Status write_kv_rows(Backend& b, const StepContext& ctx, const KvCacheView& cach
   const DType act = b.act_dtype();
   if (q_norm != nullptr) {
     E4KV_RETURN_IF_ERROR(
-        b.rms_norm(ws.q.data(), q_norm, n * h.n_heads, h.head_dim, h.eps, form, ws.q.data()));
+        b.rms_norm(rows.q, q_norm, n * h.n_heads, h.head_dim, h.eps, form, rows.q));
     E4KV_RETURN_IF_ERROR(
-        b.rms_norm(ws.k.data(), k_norm, n * h.n_kv_heads, h.head_dim, h.eps, form, ws.k.data()));
+        b.rms_norm(rows.k, k_norm, n * h.n_kv_heads, h.head_dim, h.eps, form, rows.k));
   }
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.q.data(), ctx.cos(), ctx.sin(), n, h.n_heads, h.head_dim, h.rotary_dim));
-  E4KV_RETURN_IF_ERROR(
-      b.rope_neox(ws.k.data(), ctx.cos(), ctx.sin(), n, h.n_kv_heads, h.head_dim, h.rotary_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.q.data(), act, ws.q16.data(), DType::kF16, n * q_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.k.data(), act, ws.k16.data(), DType::kF16, n * kv_dim));
-  E4KV_RETURN_IF_ERROR(b.convert(ws.v.data(), act, ws.v16.data(), DType::kF16, n * kv_dim));
-  return b.cache_write(cache, ws.k16.as<uint16_t>(), ws.v16.as<uint16_t>(), ctx.slots(), n,
-                       non_finite, stats);
+  const bool k_follows_q =
+      static_cast<char*>(rows.k) == static_cast<char*>(rows.q) + size_t(q_dim) * b.act_size();
+  if (n == 1 && k_follows_q) {  // one row: q and k heads are one run of heads at one position
+    E4KV_RETURN_IF_ERROR(b.rope_neox(rows.q, ctx.cos(), ctx.sin(), n, h.n_heads + h.n_kv_heads,
+                                     h.head_dim, h.rotary_dim));
+  } else {
+    E4KV_RETURN_IF_ERROR(
+        b.rope_neox(rows.q, ctx.cos(), ctx.sin(), n, h.n_heads, h.head_dim, h.rotary_dim));
+    E4KV_RETURN_IF_ERROR(
+        b.rope_neox(rows.k, ctx.cos(), ctx.sin(), n, h.n_kv_heads, h.head_dim, h.rotary_dim));
+  }
+  if (static_cast<void*>(rows.q16) != rows.q) {
+    E4KV_RETURN_IF_ERROR(b.convert(rows.q, act, rows.q16, DType::kF16, n * q_dim));
+    E4KV_RETURN_IF_ERROR(b.convert(rows.k, act, rows.k16, DType::kF16, n * kv_dim));
+    E4KV_RETURN_IF_ERROR(b.convert(rows.v, act, rows.v16, DType::kF16, n * kv_dim));
+  }
+  return b.cache_write(cache, rows.k16, rows.v16, ctx.slots(), n, non_finite, stats);
 }
 
 Status project_attention_output(Backend& b, int64_t n, int64_t q_dim, int64_t hidden,
@@ -87,33 +104,26 @@ Result<AttentionMixer> AttentionMixer::load(WeightLoader& weights, const std::st
   const int64_t kv_dim = shape.kv_dim();
   const int64_t d = shape.head_dim;
   // This rank's rows of q and of k/v, and its columns of o.
-  const LinearSlice q_rows{LinearSlice::Dim::kRows, share.q_head_begin * d, local.q_dim()};
-  const LinearSlice kv_rows{LinearSlice::Dim::kRows, share.kv_head_begin * d, local.kv_dim()};
   const LinearSlice o_cols{LinearSlice::Dim::kColumns, share.q_head_begin * d, local.q_dim()};
   const bool split = tp.split();
-  E4KV_ASSIGN_OR_RETURN(m.q_, weights.load_linear(p + "q_proj", q_dim, hidden,
-                                                  "[num_attention_heads * head_dim, hidden_size]",
-                                                  split ? q_rows : LinearSlice{}));
-  E4KV_ASSIGN_OR_RETURN(m.k_, weights.load_linear(p + "k_proj", kv_dim, hidden,
-                                                  "[num_key_value_heads * head_dim, hidden_size]",
-                                                  split ? kv_rows : LinearSlice{}));
-  E4KV_ASSIGN_OR_RETURN(m.v_, weights.load_linear(p + "v_proj", kv_dim, hidden,
-                                                  "[num_key_value_heads * head_dim, hidden_size]",
-                                                  split ? kv_rows : LinearSlice{}));
+  const std::vector<RowRange> q_rows =
+      split ? std::vector<RowRange>{{share.q_head_begin * d, local.q_dim()}}
+            : std::vector<RowRange>{};
+  const std::vector<RowRange> kv_rows =
+      split ? std::vector<RowRange>{{share.kv_head_begin * d, local.kv_dim()}}
+            : std::vector<RowRange>{};
+  const bool bias = shape.qkv_bias;
+  E4KV_ASSIGN_OR_RETURN(
+      m.qkv_,
+      FusedProjection::load(
+          weights, hidden,
+          {{p + "q_proj", q_dim, "[num_attention_heads * head_dim, hidden_size]", q_rows, bias},
+           {p + "k_proj", kv_dim, "[num_key_value_heads * head_dim, hidden_size]", kv_rows, bias},
+           {p + "v_proj", kv_dim, "[num_key_value_heads * head_dim, hidden_size]", kv_rows,
+            bias}}));
   E4KV_ASSIGN_OR_RETURN(m.o_, weights.load_linear(p + "o_proj", hidden, q_dim,
                                                   "[hidden_size, num_attention_heads * head_dim]",
                                                   split ? o_cols : LinearSlice{}));
-  if (shape.qkv_bias) {
-    E4KV_ASSIGN_OR_RETURN(m.q_bias_, weights.load_rows(p + "q_proj.bias", {q_dim},
-                                                       "[num_attention_heads * head_dim]",
-                                                       q_rows.begin, q_rows.count));
-    E4KV_ASSIGN_OR_RETURN(m.k_bias_, weights.load_rows(p + "k_proj.bias", {kv_dim},
-                                                       "[num_key_value_heads * head_dim]",
-                                                       kv_rows.begin, kv_rows.count));
-    E4KV_ASSIGN_OR_RETURN(m.v_bias_, weights.load_rows(p + "v_proj.bias", {kv_dim},
-                                                       "[num_key_value_heads * head_dim]",
-                                                       kv_rows.begin, kv_rows.count));
-  }
   if (local.o_bias) {
     E4KV_ASSIGN_OR_RETURN(m.o_bias_, weights.load(p + "o_proj.bias", {hidden}, "[hidden_size]"));
   } else if (shape.o_bias) {
@@ -135,23 +145,22 @@ Status AttentionMixer::forward(Backend& b, const StepContext& ctx, const KvCache
   const int64_t n = ctx.n_rows();
   const int64_t q_dim = s.q_dim();
   const DType act = b.act_dtype();
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, q_.view(), q_bias_.data(), n, ws.q.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, k_.view(), k_bias_.data(), n, ws.k.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, v_.view(), v_bias_.data(), n, ws.v.data(), act));
+  E4KV_RETURN_IF_ERROR(qkv_.forward(b, x, n, ws.proj.data(), act));
+  const size_t elt = b.act_size();
+  const AttentionRows rows =
+      AttentionRows::in(ws, act, qkv_.part(ws.proj.data(), n, 0, elt),
+                        qkv_.part(ws.proj.data(), n, 1, elt), qkv_.part(ws.proj.data(), n, 2, elt));
   const AttentionHeads heads{s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim, s.eps};
   // q_norm_ and k_norm_ are empty (nullptr) without qk_norm.
   E4KV_RETURN_IF_ERROR(write_kv_rows(b, ctx, cache, heads, q_norm_.data(), k_norm_.data(),
-                                     s.qk_norm_form, ws, non_finite, stats));
+                                     s.qk_norm_form, rows, non_finite, stats));
 
   PagedAttentionParams params;
   params.cache = cache;
   params.block_table = ctx.block_table();
   params.rows = ctx.rows();
   params.n_heads = s.n_heads;
-  params.q = ws.q16.as<uint16_t>();
+  params.q = rows.q16;
   params.out = ws.attn.as<float>();
   E4KV_RETURN_IF_ERROR(b.paged_attention(params));
   return project_attention_output(b, n, q_dim, s.hidden, ws, o_.view(), o_bias_.data(), out);

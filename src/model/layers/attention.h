@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "kv/kv_cache_view.h"
+#include "model/layers/fused_projection.h"
 #include "model/step_context.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
@@ -50,13 +51,28 @@ struct AttentionShape {
 
 // Activations of the attention mixers of one model, shared by its layers, sized at load.
 struct AttentionWorkspace {
-  BackendBuffer q, k, v;        // [rows, q_dim | kv_dim] act
-  BackendBuffer q16, k16, v16;  // [rows, q_dim | kv_dim] FP16 bits
+  BackendBuffer proj;           // [rows, proj_cols] act: the step's projections (FusedProjection)
+  BackendBuffer q16, k16, v16;  // [rows, q_dim | kv_dim] FP16 bits; empty when act is FP16
   BackendBuffer attn;           // [rows, q_dim] fp32
   BackendBuffer attn_act;       // [rows, q_dim] act (only when act is not fp32)
 
+  // proj_cols: the columns of every projection the mixer computes at once (q_dim + 2 kv_dim
+  // for plain attention).
   static Result<AttentionWorkspace> create(Backend& backend, int64_t q_dim, int64_t kv_dim,
-                                           int64_t max_rows);
+                                           int64_t proj_cols, int64_t max_rows);
+};
+
+// One step's q, k and v (act, in the workspace's projections) and their FP16 forms: the act
+// buffers themselves when act is FP16 (nothing to convert), else the workspace's copies.
+struct AttentionRows {
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  uint16_t* q16 = nullptr;
+  uint16_t* k16 = nullptr;
+  uint16_t* v16 = nullptr;
+
+  static AttentionRows in(AttentionWorkspace& ws, DType act, void* q, void* k, void* v);
 };
 
 // The heads of an attention layer, as write_kv_rows sees them.
@@ -68,13 +84,14 @@ struct AttentionHeads {
   float eps = 1e-6f;
 };
 
-// For the rows of the step, after the projections into ws.q, ws.k, ws.v: q and k normed per head
-// (q_norm, k_norm: [head_dim] act, both or neither, in `form`), rotated at each row's position;
-// q, k, v converted to FP16 (ws.q16, ws.k16, ws.v16); K and V written to `cache` at each row's
-// slot. non_finite: the cache write's [2] counters; stats: nullptr or its statistics.
+// For the rows of the step, after the projections into rows.q, rows.k, rows.v: q and k normed
+// per head (q_norm, k_norm: [head_dim] act, both or neither, in `form`), rotated at each row's
+// position; q, k, v converted to FP16 (rows.q16, k16, v16; nothing to do when those are the act
+// buffers); K and V written to `cache` at each row's slot. non_finite: the cache write's [2]
+// counters; stats: nullptr or its statistics.
 Status write_kv_rows(Backend& backend, const StepContext& ctx, const KvCacheView& cache,
                      const AttentionHeads& heads, const void* q_norm, const void* k_norm,
-                     RmsNormForm form, AttentionWorkspace& ws, unsigned long long* non_finite,
+                     RmsNormForm form, const AttentionRows& rows, unsigned long long* non_finite,
                      KvWriteStats* stats);
 
 // out = attention Wo^T (+bo) of the rows of the step, from ws.attn (fp32, converted to act first
@@ -101,8 +118,9 @@ class AttentionMixer {
 
  private:
   AttentionShape shape_;
-  LinearWeight q_, k_, v_, o_;
-  BackendBuffer q_bias_, k_bias_, v_bias_, o_bias_;  // empty when absent
+  FusedProjection qkv_;  // q_proj, k_proj, v_proj (and their biases)
+  LinearWeight o_;
+  BackendBuffer o_bias_;           // empty when absent
   BackendBuffer q_norm_, k_norm_;                    // empty when absent
 };
 

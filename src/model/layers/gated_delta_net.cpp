@@ -11,12 +11,10 @@ Result<DeltaNetWorkspace> DeltaNetWorkspace::create(Backend& backend, const Delt
   DeltaNetWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.u, n * size_t(shape.conv_dim()) * act},
+  const size_t proj_cols = size_t(shape.conv_dim() + shape.v_dim() + 2 * shape.n_v_heads);
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.proj, n * proj_cols * act},
                                                   {&ws.y, n * size_t(shape.conv_dim()) * act},
-                                                  {&ws.z, n * size_t(shape.v_dim()) * act},
                                                   {&ws.o, n * size_t(shape.v_dim()) * act},
-                                                  {&ws.a, n * size_t(shape.n_v_heads) * act},
-                                                  {&ws.b, n * size_t(shape.n_v_heads) * act},
                                                   {&ws.g, n * size_t(shape.n_v_heads) * 4},
                                                   {&ws.beta, n * size_t(shape.n_v_heads) * 4}}));
   return ws;
@@ -83,31 +81,24 @@ Result<DeltaNetMixer> DeltaNetMixer::load(WeightLoader& weights, const std::stri
   const std::vector<RowRange> channels = {{kb * dk, local.k_dim()},
                                           {shape.k_dim() + kb * dk, local.k_dim()},
                                           {2 * shape.k_dim() + vb * dv, local.v_dim()}};
-  const LinearSlice v_rows = tp.split() ? LinearSlice{LinearSlice::Dim::kRows, vb * dv,
-                                                      local.v_dim()}
-                                        : LinearSlice{};
-  const LinearSlice head_rows = tp.split() ? LinearSlice{LinearSlice::Dim::kRows, vb,
-                                                         local.n_v_heads}
-                                           : LinearSlice{};
+  const std::vector<RowRange> v_rows =
+      tp.split() ? std::vector<RowRange>{{vb * dv, local.v_dim()}} : std::vector<RowRange>{};
+  const std::vector<RowRange> head_rows =
+      tp.split() ? std::vector<RowRange>{{vb, local.n_v_heads}} : std::vector<RowRange>{};
   const LinearSlice out_cols = tp.split() ? LinearSlice{LinearSlice::Dim::kColumns, vb * dv,
                                                         local.v_dim()}
                                           : LinearSlice{};
   E4KV_ASSIGN_OR_RETURN(
-      m.in_qkv_, weights.load_linear_row_ranges(
-                     p + "in_proj_qkv", shape.conv_dim(), h,
-                     "[2 * linear_num_key_heads * linear_key_head_dim + "
-                     "linear_num_value_heads * linear_value_head_dim, hidden_size]",
-                     channels));
-  E4KV_ASSIGN_OR_RETURN(m.in_z_, weights.load_linear(p + "in_proj_z", shape.v_dim(), h,
-                                                     "[linear_num_value_heads * "
-                                                     "linear_value_head_dim, hidden_size]",
-                                                     v_rows));
-  E4KV_ASSIGN_OR_RETURN(m.in_b_, weights.load_linear(p + "in_proj_b", nv, h,
-                                                     "[linear_num_value_heads, hidden_size]",
-                                                     head_rows));
-  E4KV_ASSIGN_OR_RETURN(m.in_a_, weights.load_linear(p + "in_proj_a", nv, h,
-                                                     "[linear_num_value_heads, hidden_size]",
-                                                     head_rows));
+      m.in_, FusedProjection::load(
+                 weights, h,
+                 {{p + "in_proj_qkv", shape.conv_dim(),
+                   "[2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * "
+                   "linear_value_head_dim, hidden_size]",
+                   channels},
+                  {p + "in_proj_z", shape.v_dim(),
+                   "[linear_num_value_heads * linear_value_head_dim, hidden_size]", v_rows},
+                  {p + "in_proj_b", nv, "[linear_num_value_heads, hidden_size]", head_rows},
+                  {p + "in_proj_a", nv, "[linear_num_value_heads, hidden_size]", head_rows}}));
   E4KV_ASSIGN_OR_RETURN(m.conv_,
                         weights.load_row_ranges(p + "conv1d.weight",
                                                 {shape.conv_dim(), 1, shape.conv_kernel},
@@ -132,21 +123,29 @@ Status DeltaNetMixer::forward(Backend& b, int64_t n, const SequenceRowsView& seq
   const DeltaNetShape& s = shape_;
   const DType act = b.act_dtype();
   const int64_t c = s.conv_dim();
-  E4KV_RETURN_IF_ERROR(b.linear(x, in_qkv_.view(), nullptr, n, ws.u.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_z_.view(), nullptr, n, ws.z.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_b_.view(), nullptr, n, ws.b.data(), act));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, in_a_.view(), nullptr, n, ws.a.data(), act));
-  E4KV_RETURN_IF_ERROR(b.conv1d_silu(ws.u.data(), c, conv_.data(), s.conv_kernel, 1,
+  const size_t elt = b.act_size();
+  void* proj = ws.proj.data();
+  E4KV_RETURN_IF_ERROR(in_.forward(b, x, n, proj, act));
+  const void* u = in_.part(proj, n, 0, elt);
+  const void* z = in_.part(proj, n, 1, elt);
+  const void* beta_in = in_.part(proj, n, 2, elt);
+  const void* decay_in = in_.part(proj, n, 3, elt);
+  E4KV_RETURN_IF_ERROR(b.conv1d_silu(u, c, conv_.data(), s.conv_kernel, 1,
                                      state.conv.data(), seqs, ws.y.data()));
-  E4KV_RETURN_IF_ERROR(b.gated_delta_gates(ws.a.data(), ws.b.data(), a_log_.data(), dt_bias_.data(),
-                                           n, s.n_v_heads, ws.g.as<float>(), ws.beta.as<float>()));
-  E4KV_RETURN_IF_ERROR(b.gated_delta_rule(ws.y.data(), ws.g.as<float>(), ws.beta.as<float>(),
-                                          s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim,
-                                          state.recurrent.as<float>(), seqs, ws.o.data()));
-  E4KV_RETURN_IF_ERROR(b.gated_rms_norm(ws.o.data(), ws.z.data(), norm_.data(), n * s.n_v_heads,
+  E4KV_ASSIGN_OR_RETURN(
+      const bool fused,
+      b.gated_delta_rule_raw_gates(ws.y.data(), decay_in, beta_in, a_log_.data(), dt_bias_.data(),
+                                   s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim,
+                                   state.recurrent.as<float>(), seqs, ws.o.data()));
+  if (!fused) {
+    E4KV_RETURN_IF_ERROR(b.gated_delta_gates(decay_in, beta_in, a_log_.data(), dt_bias_.data(), n,
+                                             s.n_v_heads, ws.g.as<float>(),
+                                             ws.beta.as<float>()));
+    E4KV_RETURN_IF_ERROR(b.gated_delta_rule(ws.y.data(), ws.g.as<float>(), ws.beta.as<float>(),
+                                            s.n_k_heads, s.n_v_heads, s.head_k_dim, s.head_v_dim,
+                                            state.recurrent.as<float>(), seqs, ws.o.data()));
+  }
+  E4KV_RETURN_IF_ERROR(b.gated_rms_norm(ws.o.data(), z, norm_.data(), n * s.n_v_heads,
                                         s.head_v_dim, s.eps, s.sigmoid_gate, ws.o.data()));
   return b.linear(ws.o.data(), out_.view(), nullptr, n, out, act);
 }

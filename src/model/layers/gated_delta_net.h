@@ -15,6 +15,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "model/tp_shard.h"
+#include "model/layers/fused_projection.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -41,9 +42,10 @@ struct DeltaNetShape {
 };
 
 struct DeltaNetWorkspace {
-  BackendBuffer u, y;     // [rows, conv_dim] act
-  BackendBuffer z, o;     // [rows, v_dim] act
-  BackendBuffer a, b;     // [rows, n_v_heads] act
+  BackendBuffer proj;     // the input projections' parts (FusedProjection): u [rows, conv_dim],
+                          // z [rows, v_dim], b and a [rows, n_v_heads] act
+  BackendBuffer y;        // [rows, conv_dim] act
+  BackendBuffer o;        // [rows, v_dim] act
   BackendBuffer g, beta;  // [rows, n_v_heads] fp32
 
   static Result<DeltaNetWorkspace> create(Backend& backend, const DeltaNetShape& shape,
@@ -79,7 +81,8 @@ class DeltaNetMixer {
 
  private:
   DeltaNetShape shape_;
-  LinearWeight in_qkv_, in_z_, in_b_, in_a_, out_;
+  FusedProjection in_;  // in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+  LinearWeight out_;
   BackendBuffer conv_, dt_bias_, a_log_, norm_;
 };
 

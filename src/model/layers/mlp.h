@@ -9,13 +9,14 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "model/tp_shard.h"
+#include "model/layers/fused_projection.h"
 #include "model/weights.h"
 
 namespace e4kv {
 
 // Activations of the MLPs of one model, shared by its layers, sized at load.
 struct MlpWorkspace {
-  BackendBuffer gate, up;  // [rows, intermediate] act
+  BackendBuffer gate_up;  // [2, rows, intermediate] act: gate, then up (FusedProjection's parts)
 
   static Result<MlpWorkspace> create(Backend& backend, int64_t intermediate, int64_t max_rows);
 };
@@ -39,7 +40,8 @@ class DenseMlp {
  private:
   int64_t hidden_ = 0;
   int64_t intermediate_ = 0;
-  LinearWeight gate_, up_, down_;  // [inter, hidden] x2, [hidden, inter]
+  FusedProjection gate_up_;  // gate_proj, up_proj: [inter, hidden] each
+  LinearWeight down_;        // [hidden, inter]
 };
 
 }  // namespace e4kv

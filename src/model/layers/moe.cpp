@@ -13,11 +13,10 @@ Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shap
   MoeWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.logits, n * size_t(shape.n_experts) * 4},
+  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.logits, n * size_t(shape.n_experts + 1) * 4},
                                                   {&ws.ids, n * size_t(shape.top_k) * 4},
                                                   {&ws.weights, n * size_t(shape.top_k) * 4},
-                                                  {&ws.shared, n * size_t(shape.hidden) * act},
-                                                  {&ws.shared_gate, n * act}}));
+                                                  {&ws.shared, n * size_t(shape.hidden) * act}}));
   E4KV_ASSIGN_OR_RETURN(ws.shared_mlp, MlpWorkspace::create(backend, shape.shared_inter, max_rows));
   return ws;
 }
@@ -39,8 +38,10 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
   const int64_t ec = tp.count(e);
   m.expert_begin_ = eb;
   m.expert_count_ = ec;
-  E4KV_ASSIGN_OR_RETURN(m.router_,
-                        weights.load(p + "gate.weight", {e, h}, "[num_experts, hidden_size]"));
+  E4KV_ASSIGN_OR_RETURN(m.router_, FusedProjection::load(
+                                      weights, h,
+                                      {{p + "gate", e, "[num_experts, hidden_size]"},
+                                       {p + "shared_expert_gate", 1, "[1, hidden_size]"}}));
   if (weights.has(p + "experts.gate_up_proj")) {
     E4KV_ASSIGN_OR_RETURN(BackendBuffer gate_up,
                           weights.load_rows(p + "experts.gate_up_proj", {e, 2 * i, h},
@@ -74,17 +75,16 @@ Result<MoeFfn> MoeFfn::load(WeightLoader& weights, const std::string& p, const M
   E4KV_ASSIGN_OR_RETURN(m.shared_expert_,
                         DenseMlp::load(weights, p + "shared_expert.", h, shape.shared_inter,
                                        "shared_expert_intermediate_size", tp));
-  E4KV_ASSIGN_OR_RETURN(m.shared_gate_,
-                        weights.load(p + "shared_expert_gate.weight", {1, h}, "[1, hidden_size]"));
   return m;
 }
 
 Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorkspace& ws) const {
   const MoeShape& s = shape_;
-  const DType act = b.act_dtype();
-  E4KV_RETURN_IF_ERROR(b.linear(x, router_.data(), nullptr, n, s.hidden, s.n_experts,
-                                ws.logits.data(), DType::kF32));
-  E4KV_RETURN_IF_ERROR(b.moe_route(ws.logits.as<float>(), n, s.n_experts, s.top_k, s.norm_topk_prob,
+  // The router's logits and the shared expert's gate in one projection (fp32).
+  E4KV_RETURN_IF_ERROR(router_.forward(b, x, n, ws.logits.data(), DType::kF32));
+  const float* logits = router_.part<float>(ws.logits.data(), n, 0, 4);
+  const float* shared_gate = router_.part<float>(ws.logits.data(), n, 1, 4);
+  E4KV_RETURN_IF_ERROR(b.moe_route(logits, n, s.n_experts, s.top_k, s.norm_topk_prob,
                                    ws.ids.as<int32_t>(), ws.weights.as<float>()));
   if (expert_count_ != s.n_experts) {
     E4KV_RETURN_IF_ERROR(
@@ -94,9 +94,7 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
                                      s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
                                      s.top_k, out));
   E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(x, shared_gate_.data(), nullptr, n, s.hidden, 1, ws.shared_gate.data(), act));
-  return b.sigmoid_gated_add(out, ws.shared.data(), ws.shared_gate.data(), n, s.hidden);
+  return b.sigmoid_gated_add(out, ws.shared.data(), shared_gate, n, s.hidden);
 }
 
 }  // namespace e4kv

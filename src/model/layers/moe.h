@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/layers/fused_projection.h"
 #include "model/layers/mlp.h"
 #include "model/tp_shard.h"
 #include "model/weights.h"
@@ -28,12 +29,11 @@ struct MoeShape {
 };
 
 struct MoeWorkspace {
-  BackendBuffer logits;       // [rows, n_experts] fp32
+  BackendBuffer logits;       // [rows, n_experts] then [rows] fp32: router logits, shared gate
   BackendBuffer ids;          // [rows, top_k] int32
   BackendBuffer weights;      // [rows, top_k] fp32
   MlpWorkspace shared_mlp;    // the shared expert's: [rows, shared_inter] act
   BackendBuffer shared;       // [rows, hidden] act
-  BackendBuffer shared_gate;  // [rows] act
 
   static Result<MoeWorkspace> create(Backend& backend, const MoeShape& shape, int64_t max_rows);
 };
@@ -53,10 +53,10 @@ class MoeFfn {
   MoeShape shape_;
   int64_t expert_begin_ = 0;  // this rank's experts
   int64_t expert_count_ = 0;
-  BackendBuffer router_;
+  FusedProjection router_;  // parts: the router (gate) [n_experts, hidden], shared_expert_gate
+                            // [1, hidden], both fp32 out
   LinearWeight gate_up_, down_;  // [n_experts * 2 * inter, hidden], [n_experts * hidden, inter]
   DenseMlp shared_expert_;
-  BackendBuffer shared_gate_;  // [1, hidden]
 };
 
 }  // namespace e4kv

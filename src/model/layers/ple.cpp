@@ -13,11 +13,11 @@ Result<PleWorkspace> PleWorkspace::create(Backend& backend, const PleShape& shap
   PleWorkspace ws;
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
-  E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.kn, n * size_t(shape.width()) * act},
-                                                  {&ws.qn, n * size_t(shape.width()) * act},
-                                                  {&ws.gv, n * size_t(shape.width()) * act},
-                                                  {&ws.conv, n * size_t(shape.width()) * act},
-                                                  {&ws.val, n * size_t(shape.hidden) * act}}));
+  E4KV_RETURN_IF_ERROR(allocate_buffers(
+      backend, {{&ws.key_value, n * size_t(shape.width() + shape.hidden) * act},
+                {&ws.qn, n * size_t(shape.width()) * act},
+                {&ws.gv, n * size_t(shape.width()) * act},
+                {&ws.conv, n * size_t(shape.width()) * act}}));
   return ws;
 }
 
@@ -75,10 +75,12 @@ Result<PleBlock> PleBlock::load(const Checkpoint& ckpt, WeightLoader& weights, c
   if (ple_dtype == PleDtype::kE4m3) E4KV_RETURN_IF_ERROR(block.table_.to_e4m3(ckpt, emb, cache));
   const int64_t w = shape.width();
   const int64_t d = shape.embed_dim;
-  E4KV_ASSIGN_OR_RETURN(block.key_, weights.load(p + "key_proj.weight", {w, d},
-                                                 "[hc_count * hidden_size, ple_embed_dim]"));
-  E4KV_ASSIGN_OR_RETURN(block.value_, weights.load(p + "value_proj.weight", {shape.hidden, d},
-                                                   "[hidden_size, ple_embed_dim]"));
+  E4KV_ASSIGN_OR_RETURN(
+      block.key_value_,
+      FusedProjection::load(
+          weights, d,
+          {{p + "key_proj", w, "[hc_count * hidden_size, ple_embed_dim]"},
+           {p + "value_proj", shape.hidden, "[hidden_size, ple_embed_dim]"}}));
   E4KV_ASSIGN_OR_RETURN(block.norm_key_,
                         weights.load(p + "norm_key.weight", {w}, "[hc_count * hidden_size]"));
   E4KV_ASSIGN_OR_RETURN(block.norm_query_,
@@ -134,19 +136,19 @@ Status PleBlock::forward(Backend& b, int64_t n, const void* emb, const SequenceR
   const PleShape& s = shape_;
   const DType act = b.act_dtype();
   const int64_t w = s.width();
-  E4KV_RETURN_IF_ERROR(b.linear(emb, key_.data(), nullptr, n, s.embed_dim, w, ws.kn.data(), act));
-  E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(ws.kn.data(), norm_key_.data(), n, s.streams, s.hidden,
-                                          s.eps, RmsNormForm::kOnePlusWeight, ws.kn.data()));
-  E4KV_RETURN_IF_ERROR(
-      b.linear(emb, value_.data(), nullptr, n, s.embed_dim, s.hidden, ws.val.data(), act));
+  E4KV_RETURN_IF_ERROR(key_value_.forward(b, emb, n, ws.key_value.data(), act));
+  void* kn = key_value_.part(ws.key_value.data(), n, 0, b.act_size());
+  const void* val = key_value_.part(ws.key_value.data(), n, 1, b.act_size());
+  E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(kn, norm_key_.data(), n, s.streams, s.hidden, s.eps,
+                                          RmsNormForm::kOnePlusWeight, kn));
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(x, norm_query_.data(), n, s.streams, s.hidden, s.eps,
                                           RmsNormForm::kOnePlusWeight, ws.qn.data()));
   E4KV_RETURN_IF_ERROR(
-      b.ple_gate(ws.kn.data(), ws.qn.data(), ws.val.data(), n, s.streams, s.hidden, ws.gv.data()));
+      b.ple_gate(kn, ws.qn.data(), val, n, s.streams, s.hidden, ws.gv.data()));
   // kn is free again: it holds the normalised conv input.
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(ws.gv.data(), norm_conv_.data(), n, s.streams, s.hidden,
-                                          s.eps, RmsNormForm::kOnePlusWeight, ws.kn.data()));
-  E4KV_RETURN_IF_ERROR(b.conv1d_silu(ws.kn.data(), w, conv_.data(), s.conv_kernel, s.dilation,
+                                          s.eps, RmsNormForm::kOnePlusWeight, kn));
+  E4KV_RETURN_IF_ERROR(b.conv1d_silu(kn, w, conv_.data(), s.conv_kernel, s.dilation,
                                      state.conv.data(), seqs, ws.conv.data()));
   E4KV_RETURN_IF_ERROR(b.add(ws.gv.data(), ws.conv.data(), n * w));
   return b.add(x, ws.gv.data(), n * w);

@@ -22,6 +22,7 @@
 #include "core/status.h"
 #include "io/checkpoint.h"
 #include "model/ple_ngram.h"
+#include "model/layers/fused_projection.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -39,8 +40,9 @@ struct PleShape {
 };
 
 struct PleWorkspace {
-  BackendBuffer kn, qn, gv, conv;  // [rows, width] act
-  BackendBuffer val;               // [rows, hidden] act
+  BackendBuffer key_value;     // the key and value projections' parts (FusedProjection):
+                               // [rows, width] then [rows, hidden] act
+  BackendBuffer qn, gv, conv;  // [rows, width] act
 
   static Result<PleWorkspace> create(Backend& backend, const PleShape& shape, int64_t max_rows);
 };
@@ -115,7 +117,8 @@ class PleBlock {
   PleHashParams hash_;
   int64_t eos_ = 0;
   PleTable table_;
-  BackendBuffer key_, value_, norm_key_, norm_query_, norm_conv_, conv_;
+  FusedProjection key_value_;  // key_proj [width, embed_dim], value_proj [hidden, embed_dim]
+  BackendBuffer norm_key_, norm_query_, norm_conv_, conv_;
 };
 
 }  // namespace e4kv

@@ -45,9 +45,9 @@ struct QsaAttentionShape {
 };
 
 struct QsaAttentionWorkspace {
-  AttentionWorkspace heads;              // q, k, v, their FP16 copies, the attention output
-  BackendBuffer gate, iq, ik;            // [rows, q_dim | index_q_dim | index_dim] act
-  BackendBuffer gate16, iq16, ik16;      // the same, FP16 bits
+  AttentionWorkspace heads;  // the projections (q, k, v, gate, iq, ik), FP16 copies, the output
+  BackendBuffer gate16, iq16, ik16;      // [rows, q_dim | index_q_dim | index_dim] FP16 bits of
+                                         // gate, iq, ik; empty when act is FP16
   BackendBuffer sel_tokens, sel_counts;  // [rows, sel_width], [rows] int32
 
   static Result<QsaAttentionWorkspace> create(Backend& backend, const QsaAttentionShape& shape,
@@ -81,11 +81,13 @@ class QsaAttentionMixer {
  private:
   QsaAttentionShape shape_;
   const double* inv_freq_ = nullptr;
-  LinearWeight q_gate_;  // [2 * q_dim, hidden]: the q rows of every head, then the gate rows
-  LinearWeight k_, v_, o_;
-  BackendBuffer q_gate_bias_, k_bias_, v_bias_, o_bias_;  // empty without attention_bias
+  // Parts: q, k, v, gate (q and gate: q_proj's rows of each head, [q_h | gate_h] interleaved in
+  // the checkpoint), the indexer's queries and its key (index_qk_proj's rows); the biases of
+  // q/k/v_proj.
+  FusedProjection proj_;
+  LinearWeight o_;
+  BackendBuffer o_bias_;  // empty without attention_bias
   BackendBuffer q_norm_, k_norm_;
-  LinearWeight index_qk_;         // [(n_index_heads + 1) * index_dim, hidden]
   BackendBuffer index_q_norm_;    // [index_dim] act
   BackendBuffer index_k_norm16_;  // [index_dim] FP16 bits (the indexer cache's contract)
 };
