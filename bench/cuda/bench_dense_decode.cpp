@@ -98,6 +98,7 @@ struct Row {
   double bound_ms = 0;
   int64_t captures = 0;           // graphs recorded in the cell, warm-up included
   int64_t captures_timed = 0;     // of which during the timed samples (0 when the warm-up saw all)
+  int64_t graph_nodes = -1;       // the operations of one step's graph (the launches it replays)
   int64_t graph_eager_steps = 0;  // steps StepGraphs ran op by op (0 while graphs work)
   std::string capture_error;      // why graphs stopped, if they did
   bool logits_finite = false;     // the checked step's logits, both modes
@@ -275,6 +276,7 @@ Row run_cell(Model& model, KvCacheDtype dtype, const Cell& cell) {
   row.graph_ms = median(graph);
   row.captures = graphs.stats().captures;
   row.captures_timed = graphs.stats().captures - captures_warm;
+  row.graph_nodes = graphs.stats().last_nodes;
   row.graph_eager_steps = graphs.stats().eager - eager_warm;
   row.capture_error = graphs.capture_error();
   // The last step again in both modes: the same position and ids, so the same logits.
@@ -287,10 +289,10 @@ Row run_cell(Model& model, KvCacheDtype dtype, const Cell& cell) {
   row.graph_equals_eager = le == lg;
   std::fprintf(stderr,
                "bench_dense_decode: %s %d x %lld: eager %.3f ms, graphs %.3f ms (%lld captures, "
-               "%lld during the timed samples)\n",
+               "%lld during the timed samples; %lld operations per graph)\n",
                cache_name(dtype), cell.batch, static_cast<long long>(cell.context), row.eager_ms,
                row.graph_ms, static_cast<long long>(row.captures),
-               static_cast<long long>(row.captures_timed));
+               static_cast<long long>(row.captures_timed), static_cast<long long>(row.graph_nodes));
   return row;
 }
 
@@ -503,12 +505,13 @@ int main(int argc, char** argv) {
         "  {\"cache\": \"%s\", \"batch\": %d, \"context\": %lld, \"eager_ms\": %.5f, "
         "\"graph_ms\": %.5f, \"byte_bound_ms\": %.5f, \"eager_pct_of_bound\": %.2f, "
         "\"graph_pct_of_bound\": %.2f, \"captures\": %lld, \"captures_timed\": %lld, "
+        "\"graph_nodes\": %lld, "
         "\"graph_eager_steps\": %lld, \"graphs_active\": %s, \"logits_finite\": %s, "
         "\"graph_equals_eager\": %s, \"prefill_s\": %.2f}%s\n",
         cache_name(r.cache), r.cell.batch, static_cast<long long>(r.cell.context), r.eager_ms,
         r.graph_ms, r.bound_ms, 100.0 * r.bound_ms / r.eager_ms, 100.0 * r.bound_ms / r.graph_ms,
         static_cast<long long>(r.captures), static_cast<long long>(r.captures_timed),
-        static_cast<long long>(r.graph_eager_steps), r.capture_error.empty() ? "true" : "false",
+        static_cast<long long>(r.graph_nodes), static_cast<long long>(r.graph_eager_steps), r.capture_error.empty() ? "true" : "false",
         r.logits_finite ? "true" : "false", r.graph_equals_eager ? "true" : "false", r.prefill_s,
         i + 1 < rows.size() ? "," : "");
   }

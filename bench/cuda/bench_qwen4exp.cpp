@@ -89,6 +89,7 @@ struct Row {
   double step_ms = 0;        // eager
   double graph_step_ms = 0;  // replayed from a graph
   int64_t graph_captures = 0;
+  int64_t graph_nodes = -1;  // the operations of one step's graph (the launches it replays)
   double prefill_tokens_per_s = 0;  // first sequence, batch-1 cells only
   // One decode step profiled twice (StepProfiler::begin): isolated (each section's own device
   // time and the host's cost to issue it) and in place (the span each section took in a step).
@@ -342,12 +343,14 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
     row.step_ms = median(samples);
     row.graph_step_ms = median(graph_samples);
     row.graph_captures = graphs.stats().captures;
+    row.graph_nodes = graphs.stats().last_nodes;
     row.prefill_tokens_per_s = cell.batch == 1 ? double(cell.context) / prefill_s : 0.0;
     std::fprintf(stderr,
                  "bench_qwen4exp: %s batch %d context %lld: step %.3f ms eager, %.3f ms from "
-                 "graphs (%lld captured)\n",
+                 "graphs (%lld captured, %lld operations each)\n",
                  row.cache.c_str(), row.batch, static_cast<long long>(row.context), row.step_ms,
-                 row.graph_step_ms, static_cast<long long>(row.graph_captures));
+                 row.graph_step_ms, static_cast<long long>(row.graph_captures),
+                 static_cast<long long>(row.graph_nodes));
     rows.push_back(row);
   }
   if (calibrate) {
@@ -564,10 +567,11 @@ int main(int argc, char** argv) {
                 bound_ms > 0 ? r.graph_step_ms / bound_ms : 0.0, r.prefill_tokens_per_s);
     std::fprintf(f,
                  "  {\"cache\": \"%s\", \"batch\": %d, \"context\": %lld, \"step_ms\": %.5f, "
-                 "\"graph_step_ms\": %.5f, \"graph_captures\": %lld, "
+                 "\"graph_step_ms\": %.5f, \"graph_captures\": %lld, \"graph_nodes\": %lld, "
                  "\"bound_ms\": %.5f, \"prefill_tokens_per_s\": %.1f, ",
                  r.cache.c_str(), r.batch, static_cast<long long>(r.context), r.step_ms,
-                 r.graph_step_ms, static_cast<long long>(r.graph_captures), bound_ms,
+                 r.graph_step_ms, static_cast<long long>(r.graph_captures),
+                 static_cast<long long>(r.graph_nodes), bound_ms,
                  r.prefill_tokens_per_s);
     json_sections(f, "isolated", r.isolated);
     std::fprintf(f, ", ");

@@ -166,6 +166,9 @@ class BackendGraph {
  public:
   virtual ~BackendGraph() = default;
   virtual Status replay() = 0;
+  // The operations the graph holds (kernels, copies, ...: CUDA's graph nodes), -1 where the
+  // backend does not count them.
+  virtual int64_t n_nodes() const { return -1; }
 };
 
 class Backend {

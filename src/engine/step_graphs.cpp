@@ -90,6 +90,7 @@ Result<DeviceLogits> StepGraphs::forward(const ForwardBatch& batch) {
       return model_.finish_step(padded, model_.run_device(padded));
     }
     ++stats_.captures;
+    stats_.last_nodes = (*graph)->n_nodes();
     graphs_.push_front(Entry{bucket, signature, std::move(graph).value()});
     int kept = 0;
     for (auto e = graphs_.begin(); e != graphs_.end();) {

@@ -32,6 +32,7 @@ struct StepGraphStats {
   int64_t replays = 0;      // steps run from a graph
   int64_t eager = 0;        // steps run op by op
   int64_t padded_rows = 0;  // padding rows run (summed over the replays)
+  int64_t last_nodes = -1;  // the operations of the last graph recorded (-1: not counted)
 };
 
 class StepGraphs {

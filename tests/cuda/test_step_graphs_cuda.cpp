@@ -133,6 +133,7 @@ void run_graphs_against_eager(Model& eager, Model& graphed, Backend& backend) {
   EXPECT_LE(graphs.stats().eager, graphs.stats().captures);
   EXPECT_GT(graphs.stats().padded_rows, 0);
   EXPECT_GE(graphs.stats().captures, 3);
+  EXPECT_GT(graphs.stats().last_nodes, 10);  // a whole step's launches, counted by CUDA
   EXPECT_LT(graphs.stats().captures, steps / 4);
   for (int s = 0; s < kSeqs; ++s) {
     EXPECT_TRUE(eager.free_sequence(slots_e[s]).ok());

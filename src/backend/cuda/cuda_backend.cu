@@ -82,6 +82,14 @@ class CudaGraphExec final : public BackendGraph {
     }
     return ok_status();
   }
+  int64_t n_nodes() const override {
+    size_t n = 0;
+    if (cudaGraphGetNodes(graph_, nullptr, &n) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return -1;
+    }
+    return int64_t(n);
+  }
 
  private:
   cudaGraph_t graph_;
