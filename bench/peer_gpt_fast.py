@@ -178,7 +178,7 @@ def main():
         start = time.perf_counter()
         for _ in range(args.steps):
             fn(model, x, input_pos)
-            input_pos += 1
+            input_pos.add_(1)  # in place: the tensor the closure shares (and the graph's input)
             if sync_each_step:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()

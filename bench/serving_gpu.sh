@@ -5,7 +5,10 @@
 # a no-op when built before on the same machine) and writes the checkpoint once (kept in
 # $E4KV_BENCH_CKPT, default /tmp/e4kv_q4e). E4M3 runs with unit scales: a speed measure only.
 #   PHASE=setup     build and write the checkpoint
-#   PHASE=matrix    e4kv bench: CONCURRENCY x CONTEXT cells, FP16 and E4M3 at KV_BYTES
+#   PHASE=matrix    e4kv bench: CONCURRENCY x CONTEXT cells, FP16 and E4M3 at KV_BYTES (default
+#                   8.2 GB: the per-sequence state of 64 sequences takes 4.96 GB of it) and
+#                   MAX_MODEL_LEN (default 16640: a 16K prompt and 256 tokens). The 16K cells'
+#                   prefill took more than 230 s for concurrency 1 and 8 on an H100 (2026-12-07).
 #   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
 #   PHASE=serve     e4kv serve (E4M3, SERVE_BLOCKS blocks: small enough to preempt) under
 #                   bench/serve_load.py: 64 clients for LOAD_SECONDS, token-id prompts
@@ -31,6 +34,10 @@ t0=$(date +%s)
 if [ ! -d $B ] && [ -f out/gpubin.tar.xz ]; then
   scripts/gpu_prebuilt.sh unpack
   source scripts/gpu_env.sh
+elif [ -f $B/COMMIT ] && [ ! -f $B/build.ninja ]; then
+  # Unpacked binaries (scripts/gpu_prebuilt.sh): building here would replace them with ones that
+  # lack what the image does not have (cpp-httplib: no `serve`).
+  :
 elif [ ! -f $B/build.ninja ]; then
   cmake -S . -B $B -G Ninja -DE4KV_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_BUILD_TYPE=Release >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
@@ -60,8 +67,9 @@ case "${PHASE:-setup}" in
   setup) ;;
   matrix)
     bench "matrix${TAG:-}" "${LIMIT:-520}" --kv-cache-dtype fp16,fp8_e4m3 \
-      --kv-cache-memory-bytes "${KV_BYTES:-3200000000}" --concurrency "${CONCURRENCY:-1,4,8}" \
-      --context "${CONTEXT:-1k,16k}" --output-tokens 256 --repeats "${REPEATS:-1}" ;;
+      --kv-cache-memory-bytes "${KV_BYTES:-8200000000}" --concurrency "${CONCURRENCY:-1,4,8}" \
+      --context "${CONTEXT:-1k,16k}" --output-tokens 256 --repeats "${REPEATS:-1}" \
+      --max-model-len "${MAX_MODEL_LEN:-16640}" ;;
   workload)
     for dt in ${WL_DTYPES:-fp8_e4m3 fp16}; do
       bench "workload_$dt" "${LIMIT:-280}" --kv-cache-dtype "$dt" \

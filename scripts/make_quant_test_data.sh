@@ -48,15 +48,17 @@ if [ "$check" = 1 ]; then
   out="$work/regenerated"
 fi
 
-# name | synth-checkpoint flags | quantize_checkpoint.py flags
+# name | synth-checkpoint flags | quantize_checkpoint.py flags. Attention heads of 64: the CUDA
+# attention kernels' smallest (tests/cuda/test_quantized_checkpoints_cuda.cpp runs every case);
+# blocks of 48 leave partial FP8 blocks in both dimensions of the Llama case.
 cases=(
-  "llama_awq_g128|--family llama --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 32 --layers 1 --vocab 256 --tie-embeddings|--format awq --group-size 128"
-  "llama_awq_g64_sym|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 16 --layers 1 --vocab 256 --tie-embeddings|--format awq --group-size 64 --no-zero-point"
-  "llama_nvfp4|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 16 --layers 1 --vocab 256 --tie-embeddings|--format nvfp4"
-  "llama_fp8_block|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 20 --layers 1 --vocab 256 --tie-embeddings|--format fp8-block --block 32"
-  "qwen4exp_awq_g32|--family qwen4exp --layers 4 --hidden-size 32 --head-dim 16 --vocab 256|--format awq --group-size 32"
-  "qwen4exp_nvfp4|--family qwen4exp --layers 4 --hidden-size 16 --head-dim 8 --vocab 256|--format nvfp4"
-  "qwen4exp_fp8_block|--family qwen4exp --layers 4 --hidden-size 16 --head-dim 8 --vocab 256|--format fp8-block --block 32"
+  "llama_awq_g128|--family llama --hidden-size 128 --heads 4 --kv-heads 2 --head-dim 64 --layers 1 --vocab 256 --tie-embeddings|--format awq --group-size 128"
+  "llama_awq_g64_sym|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 64 --layers 1 --vocab 256 --tie-embeddings|--format awq --group-size 64 --no-zero-point"
+  "llama_nvfp4|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 64 --layers 1 --vocab 256 --tie-embeddings|--format nvfp4"
+  "llama_fp8_block|--family llama --hidden-size 64 --heads 4 --kv-heads 2 --head-dim 64 --layers 1 --vocab 256 --tie-embeddings|--format fp8-block --block 48"
+  "qwen4exp_awq_g32|--family qwen4exp --layers 4 --hidden-size 32 --head-dim 64 --vocab 256|--format awq --group-size 32"
+  "qwen4exp_nvfp4|--family qwen4exp --layers 4 --hidden-size 16 --head-dim 64 --vocab 256|--format nvfp4"
+  "qwen4exp_fp8_block|--family qwen4exp --layers 4 --hidden-size 16 --head-dim 64 --vocab 256|--format fp8-block --block 32"
 )
 
 found=0

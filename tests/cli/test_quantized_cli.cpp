@@ -26,7 +26,7 @@ TEST(CliQuantized, InspectNamesTheMethodAndGenerateMatchesTheDequantizedCheckpoi
       {"llama_awq_g128", "AWQ W4A16 g128 (zero points)"},
       {"llama_awq_g64_sym", "AWQ W4A16 g64 (symmetric)"},
       {"llama_nvfp4", "NVFP4 (weight only)"},
-      {"llama_fp8_block", "FP8 E4M3 blocks 32x32"},
+      {"llama_fp8_block", "FP8 E4M3 blocks 48x48"},
       {"qwen4exp_awq_g32", "AWQ W4A16 g32 (zero points)"}};
   for (const auto& [name, method] : cases) {
     SCOPED_TRACE(name);

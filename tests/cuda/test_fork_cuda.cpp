@@ -84,6 +84,7 @@ class Qwen4ExpForkCuda : public ::testing::Test {
     SynthCheckpointOptions options;
     options.family = SynthFamily::kQwen4Exp;
     options.n_layers = 4;
+    options.head_dim = 64;  // the CUDA attention kernels' smallest head
     options.index_budget = 8;  // the selection reads the compressed rows and the ring
     options.ple_layer = 1;
     ASSERT_TRUE(write_synth_checkpoint(tmp_.path(), options).ok());
@@ -188,6 +189,7 @@ TEST(EngineForkCuda, SeededCompletionsEqualRequestsSeededAlone) {
     SynthCheckpointOptions synth;
     synth.family = family;
     synth.n_layers = 4;
+    synth.head_dim = 64;  // the CUDA attention kernels' smallest head
     ASSERT_TRUE(write_synth_checkpoint(tmp.path(), synth).ok());
     Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
     ASSERT_TRUE(ckpt.ok()) << ckpt.message();

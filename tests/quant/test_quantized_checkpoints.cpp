@@ -102,7 +102,7 @@ TEST(QuantizedCheckpoint, SlicesAndRowBlocksAreThePartsOfTheWhole) {
       {"llama_awq_g64_sym", "model.layers.0.mlp.down_proj", 64, 64, 32},
       {"llama_awq_g128", "model.layers.0.mlp.down_proj", 0, 128, 64},
       {"llama_nvfp4", "model.layers.0.mlp.down_proj", 80, 48, 72},
-      {"llama_fp8_block", "model.layers.0.self_attn.o_proj", 32, 48, 16},  // 80 columns: partial
+      {"llama_fp8_block", "model.layers.0.self_attn.o_proj", 192, 64, 200},  // 256 = 5 x 48 + 16
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

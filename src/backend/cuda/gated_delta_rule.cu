@@ -264,9 +264,6 @@ Status gated_delta_rule_f16(const uint16_t* qkv, const float* g, const float* be
                             int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
                             int64_t head_v_dim, float* states, const SequenceRowsView& seqs,
                             uint16_t* out, cudaStream_t stream) {
-  if (g == nullptr || beta == nullptr) {
-    return Status::error("gated_delta_rule_f16: null g or beta");
-  }
   return launch_rule(qkv, GateInputs{g, beta, nullptr, nullptr, nullptr, nullptr}, n_k_heads,
                      n_v_heads, head_k_dim, head_v_dim, states, seqs, out, stream);
 }
@@ -277,9 +274,6 @@ Status gated_delta_rule_raw_gates_f16(const uint16_t* qkv, const uint16_t* a, co
                                       int64_t head_v_dim, float* states,
                                       const SequenceRowsView& seqs, uint16_t* out,
                                       cudaStream_t stream) {
-  if (a == nullptr || b == nullptr || a_log == nullptr || dt_bias == nullptr) {
-    return Status::error("gated_delta_rule_raw_gates_f16: null a, b, a_log or dt_bias");
-  }
   return launch_rule(qkv, GateInputs{nullptr, nullptr, a, b, a_log, dt_bias}, n_k_heads,
                      n_v_heads, head_k_dim, head_v_dim, states, seqs, out, stream);
 }
@@ -312,9 +306,12 @@ Status launch_rule(const uint16_t* qkv, const GateInputs& gates, int64_t n_k_hea
   if (seqs.n_seqs < 0) return Status::error(cat(kOp, "negative n_seqs ", seqs.n_seqs));
   if (seqs.n_seqs == 0) return ok_status();
   if (seqs.end_row == seqs.first_row) return ok_status();  // no rows: nothing to read or write
+  const bool gates_given = gates.g != nullptr && gates.beta != nullptr;
+  const bool raw_given = gates.raw_a != nullptr && gates.raw_b != nullptr &&
+                         gates.a_log != nullptr && gates.dt_bias != nullptr;
   if (qkv == nullptr || states == nullptr || out == nullptr || seqs.row_begin == nullptr ||
-      seqs.state_slot == nullptr) {
-    return Status::error(cat(kOp, "null qkv, states, out, row_begin or state_slot"));
+      seqs.state_slot == nullptr || !(gates_given || raw_given)) {
+    return Status::error(cat(kOp, "null qkv, gates, states, out, row_begin or state_slot"));
   }
   const int64_t n_column_tiles = (head_v_dim + kColumns - 1) / kColumns;
   const int64_t n_ctas = seqs.n_seqs * n_v_heads * n_column_tiles;
