@@ -32,10 +32,13 @@ timeout "${TESTS_SECONDS:-80}" $B/tests/e4kv_cuda_tests --gtest_brief=1 >"$OUT/c
 echo "=== cuda_tests rc=$? $(($(date +%s) - t)) s"
 grep -E '^\[  FAILED|Failure|PASSED|FAILED TEST' "$OUT/cuda_tests.log" | head -40
 
-# transformers on the quantized cases' dequantized checkpoints (CPU; copy OUT/quant_refs/CASE/
-# reference.json into tests/data/quant/CASE/ afterwards).
+# transformers on the quantized cases' dequantized checkpoints (CPU; unpack OUT/quant_refs.tgz and
+# copy quant_refs/CASE/reference.json into tests/data/quant/CASE/ afterwards).
 timeout 60 python3 scripts/hf_reference_quant.py --out "$OUT/quant_refs" >"$OUT/quant_refs.log" 2>&1
 echo "=== quant references rc=$?"; tail -8 "$OUT/quant_refs.log"
+# A call brings back a limited number of files: the references travel as one archive.
+tar -C "$OUT" -czf "$OUT/quant_refs.tgz" quant_refs quant_refs.log && rm -rf "$OUT/quant_refs" \
+  "$OUT/quant_refs.log"
 
 t=$(date +%s)
 timeout "${QUANT_BENCH_SECONDS:-40}" $B/bench/e4kv_bench_quant_linear "$OUT/quant_linear.json" \
