@@ -14,7 +14,7 @@ status=0
 "$BUILD/bench/e4kv_bench_model_decode" "$OUT/model_decode.json" || status=1
 python3 bench/peer_sdpa.py "$OUT/peer_sdpa.json" || status=1
 if [ -x "$BUILD/bench/e4kv_bench" ]; then
-  "$BUILD/bench/e4kv_bench" --benchmark_min_time=0.2s --benchmark_format=console \
+  "$BUILD/bench/e4kv_bench" --benchmark_min_time=0.2 --benchmark_format=console \
     --benchmark_out="$OUT/cpu_bench.json" --benchmark_out_format=json || status=1
 fi
 exit $status
