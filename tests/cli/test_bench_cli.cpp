@@ -137,6 +137,35 @@ TEST_F(BenchCli, PoolFlagRefusals) {
       "--kv-cache-memory-bytes: the per-sequence state");
 }
 
+// bench reserves per-sequence state for its widest cell only: a budget that the default 64
+// sequences' state would exceed runs a matrix of concurrency 1 and 2.
+TEST_F(BenchCli, HybridStateIsReservedForTheWidestCell) {
+  const fs::path qwen = tmp_.path() / "qwen4exp";
+  const RunResult synth = run_cli(tmp_.path(), {"synth-checkpoint", qwen.string(), "--family",
+                                                "qwen4exp", "--layers", "4", "--no-tokenizer"});
+  ASSERT_EQ(synth.exit_code, 0) << synth.err;
+  // The state of 64 sequences, from generate's refusal.
+  const RunResult refused =
+      run_cli(tmp_.path(), {"generate", qwen.string(), "--prompt-ids", "1,2,3", "--max-tokens",
+                            "2", "--max-model-len", "64", "--kv-cache-memory-bytes", "4096"});
+  ASSERT_EQ(refused.exit_code, 1);
+  const std::string marker = "of 64 sequences needs ";
+  const size_t at = refused.err.find(marker);
+  ASSERT_NE(at, std::string::npos) << refused.err;
+  const int64_t state_64 = std::stoll(refused.err.substr(at + marker.size()));
+  const int64_t per_seq = (state_64 + 63) / 64;
+  // Two sequences' state and 64 KiB of blocks: far less than 64 sequences' state.
+  const int64_t budget = 2 * per_seq + 65536;
+  ASSERT_LT(budget, state_64);
+  const RunResult r = run_cli(
+      tmp_.path(), {"bench", qwen.string(), "--concurrency", "1,2", "--context", "16",
+                    "--output-tokens", "2", "--max-model-len", "64", "--kv-scales", "unit",
+                    "--kv-cache-memory-bytes", std::to_string(budget), "--no-progress"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') > 4, true) << r.out;
+  EXPECT_EQ(r.out.find("skipped"), std::string::npos) << r.out;
+}
+
 // The geometric mean of E4M3 / FP16 decode tok/s over the cells both modes completed, with
 // context >= min_context, recomputed from the JSON's per-cell figures; NaN when there is none.
 double recomputed_ratio(const json& report, int64_t min_context, int64_t* n_cells) {

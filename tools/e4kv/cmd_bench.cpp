@@ -550,6 +550,9 @@ Status run_bench(const BenchArgs& args) {
   for (const KvCacheDtype dtype : dtypes) {
     ModelFlags flags = args.model;
     flags.kv_cache_dtype = std::string(kv_cache_dtype_name(dtype));
+    // State slots for the widest cell only: a hybrid model's per-sequence state comes out of the
+    // pool budget first, and the matrix never runs more sequences than its widest concurrency.
+    if (flags.max_seqs == 0) flags.max_seqs = widest;
     E4KV_ASSIGN_OR_RETURN(LoadedModel loaded, load_model(flags, longest, 0, widest));
     Model& model = *loaded.model;
     if (report.device.empty()) {
