@@ -6,7 +6,8 @@
 # $E4KV_BENCH_CKPT, default /tmp/e4kv_q4e). E4M3 runs with unit scales: a speed measure only.
 #   PHASE=setup     build and write the checkpoint
 #   PHASE=matrix    e4kv bench: CONCURRENCY x CONTEXT cells, FP16 and E4M3 at KV_BYTES (default
-#                   8.2 GB: the per-sequence state of 64 sequences takes 4.96 GB of it) and
+#                   8.2 GB; the per-sequence state of the widest concurrency comes out of it first:
+#                   77 MB a sequence on this checkpoint) and
 #                   MAX_MODEL_LEN (default 16640: a 16K prompt and 256 tokens). The 16K cells'
 #                   prefill took more than 230 s for concurrency 1 and 8 on an H100 (2026-12-07).
 #   PHASE=workload  64 requests of 16K-token prompts, 256 output tokens, FP16 then E4M3 at WL_BYTES
