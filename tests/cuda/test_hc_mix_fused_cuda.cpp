@@ -63,7 +63,8 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
   ASSERT_TRUE(made.ok()) << made.message();
   Backend& b = **made;
   std::mt19937 rng(11);
-  for (const Shape shape : {Shape{4, 256, 64}, Shape{4, 2048, 320}, Shape{2, 512, 40}}) {
+  for (const Shape shape :
+       {Shape{4, 256, 64}, Shape{4, 2048, 320}, Shape{2, 512, 40}, Shape{1, 4096 + 64, 24}}) {
     const int64_t width = shape.streams * shape.hidden;
     const float eps = 1e-6f;
     const auto x_host = random_f16(size_t(8 * width), 1.0f, rng);
@@ -136,6 +137,16 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
     ASSERT_TRUE(too_many.ok());
     EXPECT_FALSE(*too_many);
   }
+}
+
+// A stream count that does not divide a CTA's 8 warps (launch 1 keeps every stream of an output in
+// one CTA) is left to the composition, as are more rows than kHcFusedMaxRows.
+TEST(HcMixFusedCuda, ShapesItTakes) {
+  EXPECT_TRUE(cuda::hc_mix_fused_supported(1, 4, 2048, 320));
+  EXPECT_TRUE(cuda::hc_mix_fused_supported(8, 8, 512, 64));
+  EXPECT_FALSE(cuda::hc_mix_fused_supported(1, 3, 2048, 320));
+  EXPECT_FALSE(cuda::hc_mix_fused_supported(cuda::kHcFusedMaxRows + 1, 4, 2048, 320));
+  EXPECT_FALSE(cuda::hc_mix_fused_supported(1, 4, 2048, 1032));
 }
 
 }  // namespace

@@ -427,14 +427,21 @@ void run_experts_case(const ExpertsCase& c) {
   check_experts(c, d, routes, got, ref);
 }
 
-// The GEMMs take 16-pair tiles when n_pairs < 32 * min(n_pairs, n_experts) (few pairs per expert
-// on average), else 64-pair tiles; the cases below cover both (noted per case).
+// Up to 4 pairs per non-empty expert on average (n_pairs <= 4 * min(n_pairs, n_experts)) the
+// projections are warp-per-weight-row kernels over 8-pair tiles ("vec"); else 16-pair MMA tiles
+// when n_pairs < 32 * min(n_pairs, n_experts), else 64-pair tiles; the cases below cover all three
+// (noted per case).
 TEST(MoeExpertsCuda, DecodeRows) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  run_experts_case({1, 8, 2048, 512, 6, Routing::kUniform, 11});    // small tiles
-  run_experts_case({1, 4, 64, 32, 1, Routing::kUniform, 12});       // a single pair
-  run_experts_case({1, 12, 2048, 512, 10, Routing::kUniform, 13});  // top_k 10
-  run_experts_case({4, 64, 256, 128, 8, Routing::kUniform, 14});    // a decode batch
+  run_experts_case({1, 8, 2048, 512, 6, Routing::kUniform, 11});    // vec
+  run_experts_case({1, 4, 64, 32, 1, Routing::kUniform, 12});       // vec; a single pair
+  run_experts_case({1, 12, 2048, 512, 10, Routing::kUniform, 13});  // vec; top_k 10
+  run_experts_case({4, 64, 256, 128, 8, Routing::kUniform, 14});    // vec; a decode batch
+  run_experts_case({3, 16, 520, 200, 4, Routing::kUniform, 15});    // vec; k and column tails
+  run_experts_case({1, 8, 4096 + 8, 8, 2, Routing::kUniform, 16});  // vec; two passes over k
+  run_experts_case({12, 64, 128, 64, 8, Routing::kSkewed, 17});     // vec; a hot expert: 2 tiles
+  run_experts_case({2, 8, 96, 48, 3, Routing::kRepeated, 18});      // vec; repeats within rows
+  run_experts_case({4, 16, 64, 1032, 3, Routing::kInvalid, 19});    // vec; ids out of range
 }
 
 TEST(MoeExpertsCuda, PrefillRows) {

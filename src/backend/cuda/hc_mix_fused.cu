@@ -9,12 +9,14 @@
 namespace e4kv::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+// Both launches: 8 warps a CTA. Launch 1 gives each (output, stream) pair a warp, so a CTA holds
+// 8 / streams outputs with all their streams and sums the streams' partial dots in shared memory.
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxStreams = 8;
 constexpr int kMaxRankChunks = 4;  // rank <= 4 * 32 lanes * 8 values
-constexpr int kColumnsPerWarp = 4;
-constexpr size_t kMaxRowBytes = 48 * 1024;
+constexpr int kSliceChunks = 8;  // launch 1: a warp's pass over its stream covers 32 * 8 * 8 values
+constexpr size_t kMaxActBytes = 48 * 1024;
 
 struct HcMixParams {
   const uint16_t* x;
@@ -59,81 +61,104 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the CTA; every thread gets it. `partials`: [kWarps] shared; the caller synchronises
-// before the next call writes it again.
-__device__ __forceinline__ float block_sum(float v, float* partials) {
-  v = warp_sum(v);
-  if (threadIdx.x % 32 == 0) partials[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += partials[w];
-  return total;
+__device__ __forceinline__ void load8_raw(const uint16_t* p, Half8& v) {
+  v = *reinterpret_cast<const Half8*>(p);
 }
 
 __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant__ HcMixParams p) {
   enter_dependent_grid();
-  extern __shared__ __align__(16) uint16_t xn[];  // [streams * hidden] one normalised row
-  __shared__ float partials[kWarps];
-  __shared__ float inv_s[kMaxStreams];
+  __shared__ float partial[kWarps][kHcFusedMaxRows];
   const int width = p.streams * p.hidden;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int down_blocks = (p.rank + kWarps - 1) / kWarps;
+  const int s = warp % p.streams;
+  const int slot = warp / p.streams;  // which of the CTA's outputs
+  const int outs_per_cta = kWarps / p.streams;
+  const int down_blocks = (p.rank + outs_per_cta - 1) / outs_per_cta;
   const bool is_inject = int(blockIdx.x) >= down_blocks;
-  const int out = (is_inject ? int(blockIdx.x) - down_blocks : int(blockIdx.x)) * kWarps + warp;
-  const int n_out = is_inject ? p.streams : p.rank;
-  const uint16_t* w_row = (is_inject ? p.inject : p.down) + int64_t(out) * width;
-  for (int r = 0; r < p.n_rows; ++r) {
-    const uint16_t* xr = p.x + int64_t(r) * width;
-    for (int s = 0; s < p.streams; ++s) {
+  const int out =
+      (is_inject ? int(blockIdx.x) - down_blocks : int(blockIdx.x)) * outs_per_cta + slot;
+  const bool active = out < (is_inject ? p.streams : p.rank);
+  const uint16_t* w_row =
+      (is_inject ? p.inject : p.down) + int64_t(active ? out : 0) * width + int64_t(s) * p.hidden;
+  const uint16_t* gain_row = p.norm_weight + int64_t(s) * p.hidden;
+
+  // Stream s's 1 / rms for every row (its 2 * hidden bytes come from L2 after the first warp).
+  float inv[kHcFusedMaxRows];
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) {
+    inv[r] = 0.0f;
+    if (r < p.n_rows) {
+      const uint16_t* xs = p.x + int64_t(r) * width + int64_t(s) * p.hidden;
       float ss = 0.0f;
-      for (int j = threadIdx.x * 8; j < p.hidden; j += kThreads * 8) {
+      for (int j = lane * 8; j < p.hidden; j += 32 * 8) {
         float v[8];
-        load8(xr + s * p.hidden + j, v);
+        load8(xs + j, v);
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
       }
-      ss = block_sum(ss, partials);
-      if (threadIdx.x == 0) inv_s[s] = 1.0f / sqrtf(ss / float(p.hidden) + p.eps);
-      __syncthreads();
+      inv[r] = 1.0f / sqrtf(warp_sum(ss) / float(p.hidden) + p.eps);
     }
-    for (int j = threadIdx.x * 8; j < width; j += kThreads * 8) {
-      float v[8];
-      float w[8];
-      load8(xr + j, v);
-      load8(p.norm_weight + j, w);
-      const float inv = inv_s[j / p.hidden];  // hidden % 8 == 0: the 8 values share a stream
-      Half8 packed;
+  }
+
+  float dot[kHcFusedMaxRows];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) packed.h[i] = f2h((v[i] * inv) * (1.0f + w[i]));
-      *reinterpret_cast<Half8*>(xn + j) = packed;
-    }
-    if (blockIdx.x == 0 && threadIdx.x < p.streams) {
-      p.inv[r * p.streams + int(threadIdx.x)] = inv_s[threadIdx.x];
-    }
-    __syncthreads();
-    if (out < n_out) {
-      float dot = 0.0f;
-      for (int j = lane * 8; j < width; j += 32 * 8) {
-        float a[8];
-        float b[8];
-        load8(xn + j, a);
-        load8(w_row + j, b);
+  for (int r = 0; r < kHcFusedMaxRows; ++r) dot[r] = 0.0f;
+  for (int base = 0; base < p.hidden; base += 32 * 8 * kSliceChunks) {
+    // The weight slice first, so its loads are in flight while the rows are normalised.
+    Half8 wv[kSliceChunks];
+    Half8 gv[kSliceChunks];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dot += a[i] * b[i];
+    for (int c = 0; c < kSliceChunks; ++c) {
+      const int j = base + (c * 32 + lane) * 8;
+      if (j < p.hidden) {
+        load8_raw(w_row + j, wv[c]);
+        load8_raw(gain_row + j, gv[c]);
       }
-      dot = warp_sum(dot);
-      if (lane == 0) {
-        if (is_inject) {
-          p.inj[r * p.streams + out] = f2h(dot);
-        } else {
-          const float scaled = round_h(dot) * (1.0f / float(p.streams));
-          p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
+    }
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r >= p.n_rows) break;
+      const uint16_t* xs = p.x + int64_t(r) * width + int64_t(s) * p.hidden;
+#pragma unroll
+      for (int c = 0; c < kSliceChunks; ++c) {
+        const int j = base + (c * 32 + lane) * 8;
+        if (j < p.hidden) {
+          float v[8];
+          load8(xs + j, v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float xn = round_h((v[i] * inv[r]) * (1.0f + h2f(gv[c].h[i])));
+            dot[r] += xn * h2f(wv[c].h[i]);
+          }
         }
       }
     }
-    __syncthreads();  // the next row overwrites xn
+  }
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) {
+    if (r >= p.n_rows) break;
+    const float d = warp_sum(dot[r]);
+    if (lane == 0) partial[warp][r] = d;
+  }
+  if (blockIdx.x == 0 && slot == 0 && lane < p.n_rows) {
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r == lane) p.inv[r * p.streams + s] = inv[r];
+    }
+  }
+  __syncthreads();
+  // The output's first warp sums its streams' partial dots (stream order) for each row.
+  if (active && s == 0 && lane < p.n_rows) {
+    const int r = lane;
+    float total = 0.0f;
+    for (int t = 0; t < p.streams; ++t) total += partial[warp + t][r];
+    if (is_inject) {
+      p.inj[r * p.streams + out] = f2h(total);
+    } else {
+      const float scaled = round_h(total) * (1.0f / float(p.streams));
+      p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
+    }
   }
 }
 
@@ -146,10 +171,9 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int width = p.streams * p.hidden;
-  const int first = (int(blockIdx.x) * kWarps + warp) * kColumnsPerWarp;
-  for (int c = 0; c < kColumnsPerWarp; ++c) {
-    const int j = first + c;
-    if (j >= p.hidden) break;
+  {
+    const int j = int(blockIdx.x) * kWarps + warp;
+    if (j >= p.hidden) return;
     float mix[kHcFusedMaxRows];
 #pragma unroll
     for (int r = 0; r < kHcFusedMaxRows; ++r) mix[r] = 0.0f;
@@ -200,9 +224,8 @@ __global__ void __launch_bounds__(kThreads)
 
 bool hc_mix_fused_supported(int64_t n_rows, int64_t streams, int64_t hidden, int64_t rank) {
   return n_rows >= 1 && n_rows <= kHcFusedMaxRows && streams >= 1 && streams <= kMaxStreams &&
-         hidden > 0 && hidden % 8 == 0 && rank > 0 && rank % 8 == 0 &&
-         rank <= kMaxRankChunks * 32 * 8 && size_t(streams * hidden) * 2 <= kMaxRowBytes &&
-         size_t(n_rows * rank) * 4 <= kMaxRowBytes;
+         kWarps % streams == 0 && hidden > 0 && hidden % 8 == 0 && rank > 0 && rank % 8 == 0 &&
+         rank <= kMaxRankChunks * 32 * 8 && size_t(n_rows * rank) * 4 <= kMaxActBytes;
 }
 
 size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank) {
@@ -233,16 +256,15 @@ void hc_mix_fused_f16(const uint16_t* x, const uint16_t* norm_weight, const uint
   p.hidden = int(hidden);
   p.rank = int(rank);
   p.eps = eps;
-  const int down_blocks = int((rank + kWarps - 1) / kWarps);
-  const int inject_blocks = inject != nullptr ? int((streams + kWarps - 1) / kWarps) : 0;
+  const int64_t outs_per_cta = kWarps / streams;
+  const int64_t down_blocks = (rank + outs_per_cta - 1) / outs_per_cta;
+  const int64_t inject_blocks = inject != nullptr ? (streams + outs_per_cta - 1) / outs_per_cta : 0;
   launch_kernel(hc_down_kernel,
-                LaunchDims{dim3(unsigned(down_blocks + inject_blocks)), dim3(kThreads),
-                           size_t(streams * hidden) * 2},
-                stream, p);
-  const int64_t columns_per_block = int64_t(kWarps) * kColumnsPerWarp;
+                LaunchDims{dim3(unsigned(down_blocks + inject_blocks)), dim3(kThreads), 0}, stream,
+                p);
   launch_kernel(hc_up_mix_kernel,
-                LaunchDims{dim3(unsigned((hidden + columns_per_block - 1) / columns_per_block)),
-                           dim3(kThreads), size_t(n_rows * rank) * sizeof(float)},
+                LaunchDims{dim3(unsigned((hidden + kWarps - 1) / kWarps)), dim3(kThreads),
+                           size_t(n_rows * rank) * sizeof(float)},
                 stream, p);
 }
 

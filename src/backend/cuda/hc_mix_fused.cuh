@@ -6,12 +6,16 @@
 // the unfused ops store it (the normalised streams, the projections' outputs, the activation), so
 // the two paths differ only by the order of their fp32 sums.
 //
-//   launch 1 (one warp per down or injection output): every CTA normalises each row into shared
-//            memory, then its warps take one dot product each over the row (the down projection's
-//            outputs go through silu(. / S) into an fp32 scratch; the injection logits to `inj`)
-//   launch 2 (one warp per hidden column): the up projection's S logits of the column from the
-//            scratch, the normalised inputs recomputed from x, the mean written to `mix`
-// The weights are read once per step (each row after the first reads them from L2).
+//   launch 1 (one warp per (output, stream) pair, 8 warps a CTA holding 8 / streams outputs): each
+//            warp computes its stream's 1 / rms for every row, reads its slice of the down or
+//            injection weight row (hidden values) once, normalises the rows' slices on the fly
+//            and dots them; the CTA sums the streams' partial dots in shared memory, then the
+//            down projection's outputs go through silu(. / S) into an fp32 scratch and the
+//            injection logits to `inj`. No row is staged: a decode step's mix is latency-bound,
+//            and this keeps ~1300 warps' weight loads in flight instead of ~320.
+//   launch 2 (one warp per hidden column, 8 a CTA): the up projection's S logits of the column from
+//            the scratch, the normalised inputs recomputed from x, the mean written to `mix`
+// The weights are read once per step (each row after the first reads them from registers or L2).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,8 +27,8 @@ namespace e4kv::cuda {
 
 inline constexpr int64_t kHcFusedMaxRows = 8;
 
-// Whether the fused form takes this shape: n_rows <= kHcFusedMaxRows, streams <= 8, hidden and
-// rank multiples of 8, rank <= 1024, a row of streams * hidden FP16 values within 48 KB.
+// Whether the fused form takes this shape: n_rows <= kHcFusedMaxRows, streams dividing 8, hidden
+// and rank multiples of 8, rank <= 1024.
 bool hc_mix_fused_supported(int64_t n_rows, int64_t streams, int64_t hidden, int64_t rank);
 // The fp32 scratch the launches pass between them: n_rows * (rank + streams) floats.
 size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank);

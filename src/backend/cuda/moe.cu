@@ -26,6 +26,8 @@
 //      + j), so no order is lost.
 //   4. combine: out[row] = FP16(sum over j of terms[row, j], from 0 in j order), skipping ids
 //      outside [0, n_experts).
+// With a few pairs per expert on average (<= kVecMaxPairsPerExpert: decode), 2 and 3 are instead
+// warp-per-weight-row kernels over tiles of up to 8 pairs (see "few pairs per expert" below).
 // GEMM tiles: 4 warps; FP16 mma.sync m16n8k16 with fp32 accumulation (two m16n8k8 below sm_80),
 // operands through ldmatrix from shared memory rows padded by 16 bytes (conflict-free); two
 // shared-memory stages, the next stage's 16-byte global loads held in registers during the math.
@@ -516,6 +518,178 @@ __global__ void __launch_bounds__(S::kThreads)
   }
 }
 
+// ---- few pairs per expert: warp-per-weight-row kernels ------------------------------------------
+// Decode steps give most experts one pair, where a 16-row MMA tile is 15/16 padding and its
+// two-stage pipeline keeps ~16 KB of weights in flight per SM (a step's MoE ran at a third of the
+// copy rate). These kernels take tiles of up to kVecRows pairs (the same group / tile table) and
+// give each weight row to a warp: every lane issues all its 16-byte loads of a 2048-element
+// stretch of its rows before using any (8 KB in flight per warp, 64 KB per CTA), the x or act rows
+// come through the read-only cache, and no barrier is taken. fp32 products and sums as the MMA
+// path (another order), the same FP16 rounding of act and the same epilogues.
+
+constexpr int kVecRows = 8;        // pairs per tile
+constexpr int kVecWarps = 8;       // warps per CTA
+constexpr int kVecChunks = 8;      // gate/up: 16-byte loads per lane per weight row and pass
+constexpr int kVecDownCols = 4;    // down: hidden columns (weight rows) per warp
+constexpr int kVecDownChunks = 2;  // down: 16-byte loads per lane per weight row and pass
+// Pairs per non-empty expert, on average, up to which moe_experts_f16 takes these kernels.
+constexpr int64_t kVecMaxPairsPerExpert = 4;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+// acc += the 8 products of two 16-byte FP16 chunks.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  const uint32_t wv[4] = {w.x, w.y, w.z, w.w};
+  const uint32_t xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&wv[i]));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&xv[i]));
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+  }
+  return acc;
+}
+
+struct VecTile {
+  int expert;
+  int group_row0;  // the tile's first row in group order
+  int rows;
+};
+
+__device__ __forceinline__ bool vec_tile(const GemmParams& p, VecTile& t) {
+  const int tile = int(blockIdx.x);
+  if (tile >= *p.n_tiles) return false;
+  t.expert = p.tiles[2 * tile];
+  t.group_row0 = p.offsets[t.expert] + p.tiles[2 * tile + 1];
+  t.rows = min(kVecRows, p.offsets[t.expert + 1] - t.group_row0);
+  return true;
+}
+
+// act[group row, c] = FP16(silu(x gate_c^T) * (x up_c^T)): one warp per intermediate column c.
+__global__ void __launch_bounds__(kVecWarps * 32)
+    moe_vec_gate_up_kernel(const __grid_constant__ GemmParams p) {
+  enter_dependent_grid();
+  VecTile t;
+  if (!vec_tile(p, t)) return;
+  const int lane = int(threadIdx.x) & 31;
+  const int col = int(blockIdx.y) * kVecWarps + int(threadIdx.x >> 5);
+  if (col >= p.inter) return;
+  const uint16_t* g_row = p.w + (int64_t(t.expert) * 2 * p.inter + col) * p.hidden;
+  const uint16_t* u_row = g_row + int64_t(p.inter) * p.hidden;
+  const uint16_t* x_rows[kVecRows];
+#pragma unroll
+  for (int r = 0; r < kVecRows; ++r) {
+    x_rows[r] = r < t.rows ? p.a + int64_t(p.perm[t.group_row0 + r] / p.top_k) * p.hidden : p.a;
+  }
+  float g[kVecRows];
+  float u[kVecRows];
+#pragma unroll
+  for (int r = 0; r < kVecRows; ++r) g[r] = u[r] = 0.0f;
+  for (int base = 0; base < p.hidden; base += 32 * 8 * kVecChunks) {
+    uint4 gw[kVecChunks];
+    uint4 uw[kVecChunks];
+#pragma unroll
+    for (int c = 0; c < kVecChunks; ++c) {
+      const int k = base + (c * 32 + lane) * 8;
+      gw[c] = uw[c] = make_uint4(0u, 0u, 0u, 0u);
+      if (k < p.hidden) {
+        gw[c] = __ldg(reinterpret_cast<const uint4*>(g_row + k));
+        uw[c] = __ldg(reinterpret_cast<const uint4*>(u_row + k));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kVecRows; ++r) {
+      if (r >= t.rows) break;
+#pragma unroll
+      for (int c = 0; c < kVecChunks; ++c) {
+        const int k = base + (c * 32 + lane) * 8;
+        if (k < p.hidden) {
+          const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x_rows[r] + k));
+          g[r] = dot8(gw[c], xv, g[r]);
+          u[r] = dot8(uw[c], xv, u[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kVecRows; ++r) {
+    if (r >= t.rows) break;
+    const float gs = warp_sum(g[r]);
+    const float us = warp_sum(u[r]);
+    if (lane == 0) {
+      p.act[int64_t(t.group_row0 + r) * p.inter + col] =
+          __half_as_ushort(__float2half_rn(silu(gs) * us));
+    }
+  }
+}
+
+// terms[pair, h] = weight * (act down_h^T): one warp per kVecDownCols hidden columns.
+__global__ void __launch_bounds__(kVecWarps * 32)
+    moe_vec_down_kernel(const __grid_constant__ GemmParams p) {
+  enter_dependent_grid();
+  VecTile t;
+  if (!vec_tile(p, t)) return;
+  const int lane = int(threadIdx.x) & 31;
+  const int col0 = (int(blockIdx.y) * kVecWarps + int(threadIdx.x >> 5)) * kVecDownCols;
+  if (col0 >= p.hidden) return;
+  const uint16_t* w_rows[kVecDownCols];
+#pragma unroll
+  for (int o = 0; o < kVecDownCols; ++o) {
+    w_rows[o] =
+        col0 + o < p.hidden ? p.w + (int64_t(t.expert) * p.hidden + col0 + o) * p.inter : nullptr;
+  }
+  float acc[kVecDownCols][kVecRows];
+#pragma unroll
+  for (int o = 0; o < kVecDownCols; ++o) {
+#pragma unroll
+    for (int r = 0; r < kVecRows; ++r) acc[o][r] = 0.0f;
+  }
+  for (int base = 0; base < p.inter; base += 32 * 8 * kVecDownChunks) {
+    uint4 wv[kVecDownCols][kVecDownChunks];
+#pragma unroll
+    for (int o = 0; o < kVecDownCols; ++o) {
+#pragma unroll
+      for (int c = 0; c < kVecDownChunks; ++c) {
+        const int k = base + (c * 32 + lane) * 8;
+        wv[o][c] = w_rows[o] != nullptr && k < p.inter
+                       ? __ldg(reinterpret_cast<const uint4*>(w_rows[o] + k))
+                       : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kVecRows; ++r) {
+      if (r >= t.rows) break;
+      const uint16_t* a_row = p.a + int64_t(t.group_row0 + r) * p.inter;
+#pragma unroll
+      for (int c = 0; c < kVecDownChunks; ++c) {
+        const int k = base + (c * 32 + lane) * 8;
+        if (k < p.inter) {
+          const uint4 av = __ldg(reinterpret_cast<const uint4*>(a_row + k));
+#pragma unroll
+          for (int o = 0; o < kVecDownCols; ++o) acc[o][r] = dot8(wv[o][c], av, acc[o][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kVecRows; ++r) {
+    if (r >= t.rows) break;
+    const int pair = p.perm[t.group_row0 + r];
+    const float weight = p.pair_weights[pair];
+    float* term_row = p.terms + int64_t(pair) * p.hidden;
+#pragma unroll
+    for (int o = 0; o < kVecDownCols; ++o) {
+      const float v = warp_sum(acc[o][r]);
+      if (lane == o && col0 + o < p.hidden) term_row[col0 + o] = weight * v;
+    }
+  }
+}
+
 // ---- combine -----------------------------------------------------------------------------------
 
 struct CombineParams {
@@ -574,7 +748,7 @@ int64_t max_tiles(int64_t n_pairs, int64_t n_experts, int64_t tile_rows) {
 struct WorkspaceLayout {
   size_t offsets = 0;  // int32 [n_experts + 1]
   size_t n_tiles = 0;  // int32 [1]
-  size_t tiles = 0;    // int32 [max tiles, 2] (bounded for the smaller tile, which has more)
+  size_t tiles = 0;    // int32 [max tiles, 2] (bounded for the smallest tile, which has most)
   size_t perm = 0;     // int32 [n_pairs]
   size_t act = 0;      // FP16 [n_pairs, inter]
   size_t terms = 0;    // fp32 [n_pairs, hidden]
@@ -593,7 +767,7 @@ WorkspaceLayout workspace_layout(int64_t rows, int64_t top_k, int64_t n_experts,
   };
   l.offsets = take(size_t(n_experts + 1) * 4);
   l.n_tiles = take(4);
-  l.tiles = take(size_t(max_tiles(n_pairs, n_experts, SmallTile::kRows)) * 8);
+  l.tiles = take(size_t(max_tiles(n_pairs, n_experts, kVecRows)) * 8);
   l.perm = take(size_t(n_pairs) * 4);
   l.act = take(size_t(n_pairs * inter) * 2);
   l.terms = take(size_t(n_pairs * hidden) * 4);
@@ -773,10 +947,13 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
     auto* terms = reinterpret_cast<float*>(base + l.terms);
     const int32_t* pass_ids = ids + r0 * top_k;
 
-    // Few pairs per expert on average (decode): small tiles, so the weights are split over many
-    // CTAs; otherwise 64-pair tiles reuse each weight tile 64 times.
-    const bool small = n_pairs < 32 * std::min(n_pairs, n_experts);
-    const int tile_rows = small ? SmallTile::kRows : LargeTile::kRows;
+    // A few pairs per expert on average (decode): warp-per-weight-row kernels over tiles of up to
+    // 8 pairs; up to 32: 16-pair MMA tiles, so the weights are split over many CTAs; otherwise
+    // 64-pair tiles reuse each weight tile 64 times.
+    const int64_t groups = std::min(n_pairs, n_experts);
+    const bool vec = n_pairs <= kVecMaxPairsPerExpert * groups;
+    const bool small = n_pairs < 32 * groups;
+    const int tile_rows = vec ? kVecRows : small ? SmallTile::kRows : LargeTile::kRows;
 
     moe_group_pairs(pass_ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm, stream);
 
@@ -793,7 +970,23 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
     gp.hidden = int32_t(hidden);
     gp.inter = int32_t(inter);
     gp.top_k = int32_t(top_k);
-    if (small) {
+    if (vec) {
+      const auto grid_x = unsigned(max_tiles(n_pairs, n_experts, kVecRows));
+      GemmParams g = gp;
+      g.w = gate_up;
+      launch_kernel(moe_vec_gate_up_kernel,
+                    LaunchDims{dim3(grid_x, unsigned((inter + kVecWarps - 1) / kVecWarps)),
+                               dim3(kVecWarps * 32)},
+                    stream, g);
+      GemmParams d = gp;
+      d.a = act;
+      d.w = down;
+      constexpr int64_t kDownPerCta = int64_t(kVecWarps) * kVecDownCols;
+      launch_kernel(moe_vec_down_kernel,
+                    LaunchDims{dim3(grid_x, unsigned((hidden + kDownPerCta - 1) / kDownPerCta)),
+                               dim3(kVecWarps * 32)},
+                    stream, d);
+    } else if (small) {
       launch_gemms<SmallTile>(gp, gate_up, down, n_pairs, n_experts, stream);
     } else {
       launch_gemms<LargeTile>(gp, gate_up, down, n_pairs, n_experts, stream);
