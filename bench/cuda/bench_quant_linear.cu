@@ -5,7 +5,9 @@
 // replicated and rotated so that every launch reads them from HBM, not L2. Prints a table and
 // writes JSON (argv[1], default quant_linear.json). Bytes = weight planes + x + y; times: see
 // time_ms (bench_timing.cuh). The speedup column is cuBLAS FP16 time / quantized time at the same
-// shape and rows (the decode target for 4-bit weights is about 4x at 1 row).
+// shape and rows (the decode target for 4-bit weights is about 4x at 1 row). From 4 rows also
+// the CUDA backend's long-input path: the weight dequantized to FP16 in 32 MB slices of rows,
+// each followed by a cuBLAS GEMM (cuda_backend.cu, kQuantDequantMinRows).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -55,6 +57,7 @@ struct Measurement {
   double bytes;
   double tbs;
   double cublas_ms;
+  double dequant_ms;  // dequantize to FP16 + cuBLAS, as the backend from kQuantDequantMinRows rows
 };
 
 // Copies of a weight's planes, rotated per launch.
@@ -133,8 +136,8 @@ int main(int argc, char** argv) {
     std::vector<int64_t> rows;
   };
   const Plan plans[] = {{WeightFormat::kW4, {1, 4, 16, 64, 256}},
-                        {WeightFormat::kNvfp4, {1, 16}},
-                        {WeightFormat::kFp8Block, {1, 16}}};
+                        {WeightFormat::kNvfp4, {1, 16, 256}},
+                        {WeightFormat::kFp8Block, {1, 16, 256}}};
   const double copy_tbs = copy_bandwidth_tbs();
   std::printf("device-to-device copy: %.2f TB/s\n", copy_tbs);
 
@@ -145,6 +148,9 @@ int main(int argc, char** argv) {
   constexpr int64_t kMaxDim = 14336;
   uint16_t* x = static_cast<uint16_t*>(alloc(size_t(kMaxRows * kMaxDim) * 2));
   uint16_t* y = static_cast<uint16_t*>(alloc(size_t(kMaxRows * kMaxDim) * 2));
+  // The CUDA backend's dequantization scratch and slices (cuda_backend.cu: 32 MB).
+  constexpr size_t kScratchBytes = size_t(32) << 20;
+  uint16_t* scratch = static_cast<uint16_t*>(alloc(kScratchBytes));
   fill_f16(x, size_t(kMaxRows * kMaxDim), 3u, 13u, 3u);
 
   std::vector<Measurement> results;
@@ -183,22 +189,44 @@ int main(int argc, char** argv) {
                                           int(s.in), x, CUDA_R_16F, int(s.in), &beta, y, CUDA_R_16F,
                                           int(s.out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         });
+        float dequant_ms = 0.0f;
+        if (rows >= 4) {
+          int dq_call = 0;
+          const int64_t slice = std::max<int64_t>(1, int64_t(kScratchBytes) / (s.in * 2));
+          dequant_ms = time_ms([&] {
+            const LinearView view = planes.view(dq_call++);
+            for (int64_t o0 = 0; o0 < s.out; o0 += slice) {
+              const int64_t n_out = std::min(slice, s.out - o0);
+              const Status st = cuda::quant_dequantize_rows(view, o0, n_out, scratch, nullptr);
+              if (!st.ok()) {
+                std::fprintf(stderr, "%s\n", st.message().c_str());
+                std::exit(1);
+              }
+              BENCH_CUBLAS_CHECK(cublasGemmEx(
+                  cublas, CUBLAS_OP_T, CUBLAS_OP_N, int(n_out), int(rows), int(s.in), &alpha,
+                  scratch, CUDA_R_16F, int(s.in), x, CUDA_R_16F, int(s.in), &beta, y + o0,
+                  CUDA_R_16F, int(s.out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            }
+          });
+        }
         const double bytes =
             double(planes.base.bytes()) + double(rows) * double(s.in + s.out) * 2.0;
-        results.push_back(
-            {name, s.name, s.out, s.in, rows, ms, bytes, bytes / (ms * 1e-3) / 1e12, cublas_ms});
+        results.push_back({name, s.name, s.out, s.in, rows, ms, bytes, bytes / (ms * 1e-3) / 1e12,
+                           cublas_ms, dequant_ms});
         const Measurement& m = results.back();
         std::printf(
             "%-10s %-13s %6lldx%-6lld rows %4lld  %8.4f ms  %6.3f TB/s  cuBLAS FP16 %8.4f ms"
-            "  speedup %5.2fx\n",
+            "  speedup %5.2fx  dequant+cuBLAS %8.4f ms (%5.2fx)\n",
             m.format.c_str(), m.shape.c_str(), (long long)m.out, (long long)m.in, (long long)m.rows,
-            m.ms, m.tbs, m.cublas_ms, m.cublas_ms / m.ms);
+            m.ms, m.tbs, m.cublas_ms, m.cublas_ms / m.ms, m.dequant_ms,
+            m.dequant_ms > 0 ? m.cublas_ms / m.dequant_ms : 0.0);
       }
     }
     for (void* d : dense) cudaFree(d);
   }
   cudaFree(x);
   cudaFree(y);
+  cudaFree(scratch);
   cublasDestroy(cublas);
 
   FILE* f = std::fopen(json_path, "w");
@@ -212,9 +240,9 @@ int main(int argc, char** argv) {
     std::fprintf(f,
                  "    {\"format\": \"%s\", \"shape\": \"%s\", \"out\": %lld, \"in\": %lld, "
                  "\"rows\": %lld, \"ms\": %.6f, \"bytes\": %.0f, \"tbs\": %.4f, "
-                 "\"cublas_f16_ms\": %.6f}%s\n",
+                 "\"cublas_f16_ms\": %.6f, \"dequant_cublas_ms\": %.6f}%s\n",
                  m.format.c_str(), m.shape.c_str(), (long long)m.out, (long long)m.in,
-                 (long long)m.rows, m.ms, m.bytes, m.tbs, m.cublas_ms,
+                 (long long)m.rows, m.ms, m.bytes, m.tbs, m.cublas_ms, m.dequant_ms,
                  i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "  ]\n}\n");

@@ -71,6 +71,12 @@ class QuantLinearCuda : public ::testing::Test {
     Result<std::unique_ptr<Backend>> made = make_cuda_backend();
     ASSERT_TRUE(made.ok()) << made.message();
     gpu_ = std::move(*made);
+    // A second backend whose workspaces may not grow: it never gets the dequantization scratch,
+    // so every row count runs the quantized kernels (the GEMV, the tensor-core tiles).
+    Result<std::unique_ptr<Backend>> kernels = make_cuda_backend();
+    ASSERT_TRUE(kernels.ok()) << kernels.message();
+    kernels_ = std::move(*kernels);
+    kernels_->allow_workspace_growth(false);
     cpu_ = make_cpu_backend();
   }
 
@@ -88,14 +94,15 @@ class QuantLinearCuda : public ::testing::Test {
   }
 
   // y of the CUDA backend, widened to fp32 when FP16.
-  std::vector<float> gpu_linear(const test::BackendQuantWeight& w, const std::vector<uint16_t>& x,
-                                const std::vector<uint16_t>* bias, int64_t n, DType y_dtype) {
+  std::vector<float> gpu_linear(Backend& gpu, const test::BackendQuantWeight& w,
+                                const std::vector<uint16_t>& x, const std::vector<uint16_t>* bias,
+                                int64_t n, DType y_dtype) {
     const int64_t out = w.view().out;
-    auto d_x = test::upload_bytes(*gpu_, x.data(), x.size() * 2);
+    auto d_x = test::upload_bytes(gpu, x.data(), x.size() * 2);
     EXPECT_TRUE(d_x.ok()) << d_x.message();
     BackendBuffer d_bias;
     if (bias != nullptr) {
-      auto b = test::upload_bytes(*gpu_, bias->data(), bias->size() * 2);
+      auto b = test::upload_bytes(gpu, bias->data(), bias->size() * 2);
       EXPECT_TRUE(b.ok()) << b.message();
       d_bias = std::move(*b);
     }
@@ -108,17 +115,17 @@ class QuantLinearCuda : public ::testing::Test {
       const std::vector<uint16_t> nan(size_t(n * out), kF16Nan);
       std::memcpy(poison.data(), nan.data(), y_bytes);
     }
-    auto d_y = test::upload_bytes(*gpu_, poison.data(), y_bytes);
+    auto d_y = test::upload_bytes(gpu, poison.data(), y_bytes);
     EXPECT_TRUE(d_y.ok()) << d_y.message();
-    const Status st = gpu_->linear(d_x->data(), w.view(), bias != nullptr ? d_bias.data() : nullptr,
-                                   n, d_y->data(), y_dtype);
+    const Status st = gpu.linear(d_x->data(), w.view(), bias != nullptr ? d_bias.data() : nullptr,
+                                 n, d_y->data(), y_dtype);
     EXPECT_TRUE(st.ok()) << st.message();
     std::vector<float> y(size_t(n * out));
     if (y_dtype == DType::kF32) {
-      gpu_->copy_to_host(y.data(), d_y->data(), y_bytes);
+      gpu.copy_to_host(y.data(), d_y->data(), y_bytes);
     } else {
       std::vector<uint16_t> h(size_t(n * out));
-      gpu_->copy_to_host(h.data(), d_y->data(), y_bytes);
+      gpu.copy_to_host(h.data(), d_y->data(), y_bytes);
       y = test::widen(h);
     }
     return y;
@@ -153,30 +160,40 @@ class QuantLinearCuda : public ::testing::Test {
         const DType y_dtype = (combo & 2) != 0 ? DType::kF16 : DType::kF32;
         SCOPED_TRACE(cat("n ", n, with_bias ? " bias" : "", " y ", dtype_name(y_dtype)));
         const std::vector<float> ref = cpu_linear(w, x, with_bias ? &bias : nullptr, n);
-        const std::vector<float> got = gpu_linear(*d_w, x, with_bias ? &bias : nullptr, n, y_dtype);
-        int64_t n_bad = 0;
-        for (int64_t r = 0; r < n; ++r) {
-          for (int64_t o = 0; o < c.out; ++o) {
-            const size_t i = size_t(r * c.out + o);
-            const double a =
-                magnitude[i] + (with_bias ? std::fabs(double(f16_to_f32(bias[size_t(o)]))) : 0.0);
-            const double b32 = 2.0 * double(c.in + 8) * kU32 * a;
-            const double bound = y_dtype == DType::kF32 ? b32
-                                                        : kU16 * (std::fabs(double(ref[i])) + b32) +
-                                                              b32 + kF16HalfSpacing;
-            const double err = std::fabs(double(got[i]) - double(ref[i]));
-            if (!(err <= bound) && n_bad++ < 5) {
-              ADD_FAILURE() << "y[" << r << ", " << o << "]: got " << got[i] << ", ref " << ref[i]
-                            << ", bound " << bound;
+        for (Backend* gpu : {gpu_.get(), kernels_.get()}) {
+          // From kQuantDequantMinRows rows gpu_ dequantizes the weight to FP16 and multiplies with
+          // cuBLAS: each weight rounded once more, |w16 - w| <= 2^-11 |w|, adds up to 2^-11 A.
+          const bool dequantized = gpu == gpu_.get() && n >= cuda::kQuantDequantMinRows;
+          SCOPED_TRACE(dequantized ? "dequantized + cuBLAS" : "quantized kernels");
+          const std::vector<float> got =
+              gpu_linear(*gpu, *d_w, x, with_bias ? &bias : nullptr, n, y_dtype);
+          int64_t n_bad = 0;
+          for (int64_t r = 0; r < n; ++r) {
+            for (int64_t o = 0; o < c.out; ++o) {
+              const size_t i = size_t(r * c.out + o);
+              const double a =
+                  magnitude[i] + (with_bias ? std::fabs(double(f16_to_f32(bias[size_t(o)]))) : 0.0);
+              const double b32 =
+                  2.0 * double(c.in + 8) * kU32 * a + (dequantized ? kU16 * magnitude[i] : 0.0);
+              const double bound =
+                  y_dtype == DType::kF32
+                      ? b32
+                      : kU16 * (std::fabs(double(ref[i])) + b32) + b32 + kF16HalfSpacing;
+              const double err = std::fabs(double(got[i]) - double(ref[i]));
+              if (!(err <= bound) && n_bad++ < 5) {
+                ADD_FAILURE() << "y[" << r << ", " << o << "]: got " << got[i] << ", ref " << ref[i]
+                              << ", bound " << bound;
+              }
             }
           }
+          EXPECT_EQ(n_bad, 0) << test::compare(got, ref, 0.0, 0.0).summary();
         }
-        EXPECT_EQ(n_bad, 0) << test::compare(got, ref, 0.0, 0.0).summary();
       }
     }
   }
 
   std::unique_ptr<Backend> gpu_;
+  std::unique_ptr<Backend> kernels_;
   std::unique_ptr<Backend> cpu_;
 };
 
@@ -185,6 +202,8 @@ TEST_F(QuantLinearCuda, AwqW4) {
   run_case({WeightFormat::kW4, 83, 512, 128, false, 12});        // symmetric; out % 16 != 0
   run_case({WeightFormat::kW4, 40, 2048 + 128, 128, true, 13});  // 3 chunks, the last partial
   run_case({WeightFormat::kW4, 24, 4096, 128, true, 14});        // a Llama row length
+  // 4200 rows of 4096: two slices of the backend's 32 MB dequantization scratch (4096 + 104).
+  run_case({WeightFormat::kW4, 4200, 4096, 128, true, 15});
 }
 
 TEST_F(QuantLinearCuda, Nvfp4) {

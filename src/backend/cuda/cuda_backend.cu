@@ -97,7 +97,6 @@ class CudaGraphExec final : public BackendGraph {
   cudaStream_t stream_;
 };
 
-
 class CudaBackend final : public Backend, public StepProfiler {
  public:
   explicit CudaBackend(const CudaBackendOptions& options)
@@ -118,6 +117,7 @@ class CudaBackend final : public Backend, public StepProfiler {
     for (cudaEvent_t event : profile_events_) cudaEventDestroy(event);
     cudaFree(scores_);
     cudaFree(moe_workspace_);
+    cudaFree(dequant_scratch_);
     cudaFree(rope_table_);
     cublasDestroy(cublas_);
     cudaFree(cublas_workspace_);
@@ -325,7 +325,50 @@ class CudaBackend final : public Backend, public StepProfiler {
       return Status::error("cuda linear: the output must be F16 or F32");
     }
     if (w.dense()) return linear(x, w.data, bias, n, w.in, w.out, y, y_dtype);
+    if (n >= cuda::kQuantDequantMinRows && dequant_scratch_ready()) {
+      return linear_dequantized(x, w, bias, n, y, y_dtype);
+    }
     return cuda::quant_linear(h(x), w, h(bias), n, y, y_dtype == DType::kF32, stream_);
+  }
+
+  // The scratch of linear_dequantized: allocated on first use outside a capture when the
+  // workspaces may grow (a memory-profiling forward at the largest step does it, so the pool
+  // budget accounts for it); without it the quantized kernels run instead.
+  bool dequant_scratch_ready() {
+    if (dequant_scratch_ != nullptr) return true;
+    if (capturing_ || !workspace_growth_) return false;
+    return ensure(&dequant_scratch_, &dequant_scratch_bytes_, kDequantScratchBytes,
+                  "dequantization")
+        .ok();
+  }
+
+  // y = x dequant(w)^T + bias as slices of output rows: each slice dequantized to FP16 into the
+  // scratch, then one cuBLAS GEMM into its columns of y (ldc = out).
+  Status linear_dequantized(const void* x, const LinearView& w, const void* bias, int64_t n,
+                            void* y, DType y_dtype) {
+    if (w.in * 2 > int64_t(dequant_scratch_bytes_)) {
+      return cuda::quant_linear(h(x), w, h(bias), n, y, y_dtype == DType::kF32, stream_);
+    }
+    const bool y_f32 = y_dtype == DType::kF32;
+    float beta = 0.0f;
+    if (bias != nullptr) {
+      cuda::broadcast_bias(static_cast<const uint16_t*>(bias), n, w.out, y, y_f32, stream_);
+      beta = 1.0f;
+    }
+    const float alpha = 1.0f;
+    const int64_t slice = std::max<int64_t>(1, int64_t(dequant_scratch_bytes_) / (w.in * 2));
+    const size_t y_elem = y_f32 ? 4 : 2;
+    for (int64_t o0 = 0; o0 < w.out; o0 += slice) {
+      const int64_t rows = std::min(slice, w.out - o0);
+      E4KV_RETURN_IF_ERROR(cuda::quant_dequantize_rows(
+          w, o0, rows, static_cast<uint16_t*>(dequant_scratch_), stream_));
+      void* y_slice = static_cast<unsigned char*>(y) + size_t(o0) * y_elem;
+      E4KV_CUBLAS_CHECK(cublasGemmEx(
+          cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(rows), int(n), int(w.in), &alpha, dequant_scratch_,
+          CUDA_R_16F, int(w.in), x, CUDA_R_16F, int(w.in), &beta, y_slice,
+          y_f32 ? CUDA_R_32F : CUDA_R_16F, int(w.out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return ok_status();
   }
 
   Status rope_neox(void* x, const float* cos, const float* sin, int64_t n_rows, int64_t n_heads,
@@ -415,8 +458,8 @@ class CudaBackend final : public Backend, public StepProfiler {
                           static_cast<const void*>(inj), static_cast<const void*>(scratch)}) {
       if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
     }
-    cuda::hc_mix_fused_f16(h(x), h(norm_weight), h(down), h(up), h(inject), n_rows, streams,
-                           hidden, rank, eps, h(mix), h(inj), scratch, stream_);
+    cuda::hc_mix_fused_f16(h(x), h(norm_weight), h(down), h(up), h(inject), n_rows, streams, hidden,
+                           rank, eps, h(mix), h(inj), scratch, stream_);
     return true;
   }
   Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
@@ -464,10 +507,10 @@ class CudaBackend final : public Backend, public StepProfiler {
                                       states, seqs, h(out), stream_);
   }
   Result<bool> gated_delta_rule_raw_gates(const void* qkv, const void* a, const void* b,
-                                         const void* a_log, const void* dt_bias,
-                                         int64_t n_k_heads, int64_t n_v_heads, int64_t head_k_dim,
-                                         int64_t head_v_dim, float* states,
-                                         const SequenceRowsView& seqs, void* out) override {
+                                          const void* a_log, const void* dt_bias, int64_t n_k_heads,
+                                          int64_t n_v_heads, int64_t head_k_dim, int64_t head_v_dim,
+                                          float* states, const SequenceRowsView& seqs,
+                                          void* out) override {
     E4KV_RETURN_IF_ERROR(cuda::gated_delta_rule_raw_gates_f16(
         h(qkv), h(a), h(b), h(a_log), h(dt_bias), n_k_heads, n_v_heads, head_k_dim, head_v_dim,
         states, seqs, h(out), stream_));
@@ -616,7 +659,9 @@ class CudaBackend final : public Backend, public StepProfiler {
       return Status::error(
           cat("cuda graph: cannot begin the capture (", cudaGetErrorString(err), ")"));
     }
+    capturing_ = true;
     Status issued = issue();
+    capturing_ = false;
     cudaGraph_t graph = nullptr;
     err = cudaStreamEndCapture(stream_, &graph);
     if (!issued.ok()) {
@@ -626,8 +671,7 @@ class CudaBackend final : public Backend, public StepProfiler {
     }
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      return Status::error(cat("cuda graph: the capture was invalidated (",
-                               cudaGetErrorString(err),
+      return Status::error(cat("cuda graph: the capture was invalidated (", cudaGetErrorString(err),
                                "): an op allocated, waited for the device or copied from pageable "
                                "memory"));
     }
@@ -682,6 +726,11 @@ class CudaBackend final : public Backend, public StepProfiler {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   static constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+  // linear_dequantized's slices: 8192 weight rows of 2048 (a 14336 x 4096 projection in 4).
+  static constexpr size_t kDequantScratchBytes = size_t(32) << 20;
+  void* dequant_scratch_ = nullptr;
+  size_t dequant_scratch_bytes_ = 0;
+  bool capturing_ = false;
   void* cublas_workspace_ = nullptr;
   cuda::PagedAttentionRunner attention_;
   bool profiling_ = false;
@@ -746,12 +795,10 @@ class CudaBackend final : public Backend, public StepProfiler {
   // another on this backend may get a freed model's address for different frequencies.
   Status ensure_rope_table(const double* inv_freq, int64_t rotary_dim, int64_t n) {
     const int64_t half = rotary_dim / 2;
-    const bool same_freqs =
-        rotary_dim == rope_dim_ && int64_t(rope_inv_freq_.size()) == half &&
-        std::equal(rope_inv_freq_.begin(), rope_inv_freq_.end(), inv_freq);
+    const bool same_freqs = rotary_dim == rope_dim_ && int64_t(rope_inv_freq_.size()) == half &&
+                            std::equal(rope_inv_freq_.begin(), rope_inv_freq_.end(), inv_freq);
     if (same_freqs && n <= rope_positions_) return ok_status();
-    const int64_t positions =
-        std::max<int64_t>({n, same_freqs ? 2 * rope_positions_ : 0, 4096});
+    const int64_t positions = std::max<int64_t>({n, same_freqs ? 2 * rope_positions_ : 0, 4096});
     std::vector<float> table(size_t(positions * rotary_dim));
     for (int64_t p = 0; p < positions; ++p) {
       float* row = table.data() + p * rotary_dim;

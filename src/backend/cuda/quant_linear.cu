@@ -22,6 +22,7 @@
 
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -427,6 +428,69 @@ bool quant_weight_fast_path(const LinearView& w) {
       return w.in % 8 == 0;
   }
   return false;
+}
+
+namespace {
+
+// Four elements per thread: the fp32 value of quant/dequantize.h's formula (Exact<>, the same
+// expression the GEMV fallback evaluates), rounded once to FP16, stored as 8 bytes.
+template <WeightFormat kFormat>
+__global__ void quant_dequantize_kernel(const __grid_constant__ quant::QuantWeight q, int64_t row0,
+                                        int64_t rows, uint16_t* out) {
+  enter_dependent_grid();
+  const int64_t quads = q.in / 4;
+  const int64_t total = rows * quads;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / quads;
+    const int k = int(i % quads) * 4;
+    uint16_t h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      h[e] = __half_as_ushort(__float2half_rn(quant::Exact<kFormat>::element(q, row0 + r, k + e)));
+    }
+    *reinterpret_cast<uint2*>(out + r * q.in + k) = make_uint2(
+        uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16));
+  }
+}
+
+}  // namespace
+
+Status quant_dequantize_rows(const LinearView& w, int64_t row0, int64_t rows, uint16_t* out,
+                             cudaStream_t stream) {
+  E4KV_RETURN_IF_ERROR(quant_weight_supported(w, "cuda dequantize"));
+  if (w.format == WeightFormat::kDense) {
+    return Status::error("cuda dequantize: the weight is already FP16");
+  }
+  if (row0 < 0 || rows < 0 || row0 + rows > w.out) {
+    return Status::error(
+        cat("cuda dequantize: rows [", row0, ", ", row0 + rows, ") outside the weight's ", w.out));
+  }
+  if (rows == 0) return ok_status();
+  if (out == nullptr || !aligned(out, 8)) {
+    return Status::error("cuda dequantize: out must be present and 8-byte aligned");
+  }
+  const quant::QuantWeight q = quant::quant_weight(w);
+  constexpr int kThreads = 256;
+  const int64_t total = rows * (w.in / 4);
+  const auto blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 132 * 32));
+  const LaunchDims dims{dim3(blocks), dim3(kThreads)};
+  switch (w.format) {
+    case WeightFormat::kW4:
+      launch_kernel(quant_dequantize_kernel<WeightFormat::kW4>, dims, stream, q, row0, rows, out);
+      break;
+    case WeightFormat::kNvfp4:
+      launch_kernel(quant_dequantize_kernel<WeightFormat::kNvfp4>, dims, stream, q, row0, rows,
+                    out);
+      break;
+    case WeightFormat::kFp8Block:
+      launch_kernel(quant_dequantize_kernel<WeightFormat::kFp8Block>, dims, stream, q, row0, rows,
+                    out);
+      break;
+    case WeightFormat::kDense:
+      break;
+  }
+  return ok_status();
 }
 
 Status quant_weight_supported(const LinearView& w, std::string_view op) {

@@ -35,4 +35,17 @@ bool quant_weight_fast_path(const LinearView& w);
 Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias, int64_t n,
                     void* y, bool y_f32, cudaStream_t stream);
 
+// Rows from which the CUDA backend's linear dequantizes the weight to FP16 (in slices of output
+// rows through a fixed scratch) and multiplies with cuBLAS, as vLLM's AWQ layer does for long
+// inputs: the GEMV is ALU-bound past a few rows (2.5 + n operations per weight) and the
+// tensor-core tiles above dequantize each fragment once per 64-row tile; dequantizing once costs
+// 2 bytes written and read per weight beside cuBLAS's own FP16 read (bench/RESULTS.md measures
+// both against cuBLAS FP16).
+inline constexpr int64_t kQuantDequantMinRows = 9;
+
+// FP16 rows [row0, row0 + rows) of dequant(w) into out [rows, w.in] (8-byte aligned): each
+// element quant/dequantize.h's fp32 value rounded once to FP16. w: kW4, kNvfp4 or kFp8Block.
+Status quant_dequantize_rows(const LinearView& w, int64_t row0, int64_t rows, uint16_t* out,
+                             cudaStream_t stream);
+
 }  // namespace e4kv::cuda
