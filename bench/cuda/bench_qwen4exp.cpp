@@ -33,6 +33,8 @@
 // --checkpoint-only: only write it (for `e4kv bench` on the same checkpoint, bench/serving_gpu.sh);
 // --calibration-context N: also time an FP16 prefill of N tokens with the calibration statistics
 // (Model::start_kv_statistics) off and on: the observer's overhead)
+// Environment: E4KV_BENCH_PROFILER_STEP set: one more eager decode step per cell between
+// cudaProfilerStart and cudaProfilerStop, for ncu (bench/profile_step_gpu.sh)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -42,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 
 #include "backend/cuda/cuda_backend.h"
@@ -337,6 +340,15 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
       (isolate ? row.isolated : row.in_place) = profiler->end();
     }
     model.set_step_profiler(nullptr);
+    if (std::getenv("E4KV_BENCH_PROFILER_STEP") != nullptr) {
+      // One eager decode step between cudaProfilerStart and Stop: under `ncu
+      // --profile-from-start off` (bench/profile_step_gpu.sh) each kernel's own device time.
+      backend.synchronize();
+      cudaProfilerStart();
+      step(false);
+      backend.synchronize();
+      cudaProfilerStop();
+    }
     row.cache = dtype == KvCacheDtype::kE4m3 ? "e4m3" : "fp16";
     row.batch = cell.batch;
     row.context = cell.context;
