@@ -314,10 +314,10 @@ class Backend {
   // One row of sample_rows (engine/sampler.h defines the draw; core/sampling_noise.h the noise).
   struct SampleRowParams {
     uint64_t seed = 0;
-    uint64_t counter = 0;           // the request's draw number (its tokens sampled so far)
-    float inv_temperature = 0.0f;   // 1 / temperature; 0: greedy
-    float log_min_p = -INFINITY;    // log(min_p); -inf: no min-p
-    int32_t logit_row = 0;          // the row of `logits` this draw reads
+    uint64_t counter = 0;          // the request's draw number (its tokens sampled so far)
+    float inv_temperature = 0.0f;  // 1 / temperature; 0: greedy
+    float log_min_p = -INFINITY;   // log(min_p); -inf: no min-p
+    int32_t logit_row = 0;         // the row of `logits` this draw reads
     int32_t reserved = 0;
   };
   // For each params[j] (a row r = params[j].logit_row of logits [.., vocab] fp32):
@@ -392,13 +392,15 @@ class Backend {
   // the composition). x: [n_rows, streams * hidden] act; norm_weight: [streams * hidden]; down:
   // [rank, streams * hidden]; up: [streams * hidden, rank]; inject: [streams, streams * hidden]
   // or null; mix: [n_rows, hidden]; inj: [n_rows, streams] act (null with inject); scratch:
-  // backend memory of scratch_bytes.
-  virtual Result<bool> hc_mix_fused(const void* /*x*/, const void* /*norm_weight*/,
-                                    const void* /*down*/, const void* /*up*/,
-                                    const void* /*inject*/, int64_t /*n_rows*/,
+  // backend memory of scratch_bytes. pending_y / pending_inj (both or neither): the previous
+  // block's injection, not yet applied: the mix reads x as hc_inject(x, pending_y, pending_inj)
+  // would leave it and leaves x so (pending_inj must not be inj).
+  virtual Result<bool> hc_mix_fused(void* /*x*/, const void* /*norm_weight*/, const void* /*down*/,
+                                    const void* /*up*/, const void* /*inject*/, int64_t /*n_rows*/,
                                     int64_t /*streams*/, int64_t /*hidden*/, int64_t /*rank*/,
-                                    float /*eps*/, void* /*mix*/, void* /*inj*/,
-                                    void* /*scratch*/, size_t /*scratch_bytes*/) {
+                                    float /*eps*/, void* /*mix*/, void* /*inj*/, void* /*scratch*/,
+                                    size_t /*scratch_bytes*/, const void* /*pending_y*/,
+                                    const void* /*pending_inj*/) {
     return false;
   }
   // Hyper-connection input mixer: mix[r] = mean over streams s of sigmoid(up[r, s]) * xn[r, s].
@@ -439,11 +441,12 @@ class Backend {
   // computes the gates inside the rule (the same values, one launch fewer). Returns false, doing
   // nothing, where the backend has no such form (the caller runs the two ops). a, b: [n_rows,
   // n_v_heads] act; the rest as the two ops.
-  virtual Result<bool> gated_delta_rule_raw_gates(
-      const void* /*qkv*/, const void* /*a*/, const void* /*b*/, const void* /*a_log*/,
-      const void* /*dt_bias*/, int64_t /*n_k_heads*/, int64_t /*n_v_heads*/,
-      int64_t /*head_k_dim*/, int64_t /*head_v_dim*/, float* /*states*/,
-      const SequenceRowsView& /*seqs*/, void* /*out*/) {
+  virtual Result<bool> gated_delta_rule_raw_gates(const void* /*qkv*/, const void* /*a*/,
+                                                  const void* /*b*/, const void* /*a_log*/,
+                                                  const void* /*dt_bias*/, int64_t /*n_k_heads*/,
+                                                  int64_t /*n_v_heads*/, int64_t /*head_k_dim*/,
+                                                  int64_t /*head_v_dim*/, float* /*states*/,
+                                                  const SequenceRowsView& /*seqs*/, void* /*out*/) {
     return false;
   }
   // out = rnd(w * (x / rms(x))) * act(z) per row (Qwen4Exp's gated RMSNorm, plain weight).

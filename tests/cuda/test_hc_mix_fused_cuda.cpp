@@ -4,8 +4,10 @@
 // the injection, at a small shape and the benchmark model's (4 streams of 2048, rank 320). Both
 // paths round every intermediate to FP16 at the same points; they differ by the order of their
 // fp32 sums, so the outputs agree to a few FP16 ulps (relative L2 <= 2e-3, where a wrong stream,
-// row or weight layout is of order 1). Also: more rows than the fused form takes run the
-// composition (hc_mix_fused returns false and writes nothing).
+// row or weight layout is of order 1). With a previous block's injection pending, the fused form
+// against hc_inject followed by the composition, and x left as hc_inject leaves it, bit for bit.
+// Also: more rows than the fused form takes run the composition (hc_mix_fused returns false and
+// writes nothing).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -76,20 +78,33 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
         upload(b, random_f16(size_t(width * shape.rank), 1.0f / std::sqrt(float(shape.rank)), rng));
     const BackendBuffer inject =
         upload(b, random_f16(size_t(shape.streams * width), 1.0f / std::sqrt(float(width)), rng));
+    // A previous block's injection: its output rows and logits.
+    const BackendBuffer pending_y = upload(b, random_f16(size_t(8 * shape.hidden), 1.0f, rng));
+    const BackendBuffer pending_inj = upload(b, random_f16(size_t(8 * shape.streams), 2.0f, rng));
     for (const int64_t n : {1, 3, 8}) {
-      for (const bool with_inject : {true, false}) {
+      for (const int variant : {0, 1, 2}) {
+        const bool with_inject = variant != 1;
+        const bool pending = variant == 2;
         SCOPED_TRACE(testing::Message()
                      << shape.streams << " x " << shape.hidden << ", rank " << shape.rank << ", "
-                     << n << " rows, inject " << with_inject);
-        // The composition, as model/layers/hyper_connection.cpp runs it.
+                     << n << " rows, inject " << with_inject << ", pending " << pending);
+        // The composition, as model/layers/hyper_connection.cpp runs it, on its own copy of x
+        // (with a pending injection applied first by hc_inject).
+        const BackendBuffer x_want = upload(b, x_host);
+        if (pending) {
+          ASSERT_TRUE(b.hc_inject(x_want.data(), pending_y.data(), pending_inj.data(), n,
+                                  shape.streams, shape.hidden)
+                          .ok());
+        }
+        const BackendBuffer& x_in = x_want;
         Result<BackendBuffer> xn = b.allocate(size_t(n * width) * 2);
         Result<BackendBuffer> a = b.allocate(size_t(n * shape.rank) * 2);
         Result<BackendBuffer> u = b.allocate(size_t(n * width) * 2);
         Result<BackendBuffer> mix_want = b.allocate(size_t(n * shape.hidden) * 2);
         Result<BackendBuffer> inj_want = b.allocate(size_t(n * shape.streams) * 2);
         ASSERT_TRUE(xn.ok() && a.ok() && u.ok() && mix_want.ok() && inj_want.ok());
-        ASSERT_TRUE(b.rms_norm_grouped(x.data(), norm.data(), n, shape.streams, shape.hidden, eps,
-                                       RmsNormForm::kOnePlusWeight, xn->data())
+        ASSERT_TRUE(b.rms_norm_grouped(x_in.data(), norm.data(), n, shape.streams, shape.hidden,
+                                       eps, RmsNormForm::kOnePlusWeight, xn->data())
                         .ok());
         ASSERT_TRUE(
             b.linear(xn->data(), down.data(), nullptr, n, width, shape.rank, a->data(), DType::kF16)
@@ -110,12 +125,23 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
         const size_t scratch_bytes = cuda::hc_mix_fused_scratch_bytes(n, shape.streams, shape.rank);
         Result<BackendBuffer> scratch = b.allocate(scratch_bytes);
         ASSERT_TRUE(mix_got.ok() && inj_got.ok() && scratch.ok());
+        const BackendBuffer x_got = upload(b, x_host);
         Result<bool> fused = b.hc_mix_fused(
-            x.data(), norm.data(), down.data(), up.data(), with_inject ? inject.data() : nullptr, n,
-            shape.streams, shape.hidden, shape.rank, eps, mix_got->data(),
-            with_inject ? inj_got->data() : nullptr, scratch->data(), scratch_bytes);
+            x_got.data(), norm.data(), down.data(), up.data(),
+            with_inject ? inject.data() : nullptr, n, shape.streams, shape.hidden, shape.rank, eps,
+            mix_got->data(), with_inject ? inj_got->data() : nullptr, scratch->data(),
+            scratch_bytes, pending ? pending_y.data() : nullptr,
+            pending ? pending_inj.data() : nullptr);
         ASSERT_TRUE(fused.ok()) << fused.message();
         ASSERT_TRUE(*fused);
+        // x after the call: hc_inject's result bit for bit (the same fp32 operations), or x
+        // unchanged without a pending injection; rows past n untouched either way.
+        {
+          std::vector<uint16_t> got_x(x_host.size()), want_x(x_host.size());
+          b.copy_to_host(got_x.data(), x_got.data(), got_x.size() * 2);
+          b.copy_to_host(want_x.data(), x_want.data(), want_x.size() * 2);
+          EXPECT_EQ(got_x, want_x);
+        }
         const size_t mix_n = size_t(n * shape.hidden);
         const std::vector<float> want = download(b, *mix_want, mix_n);
         const std::vector<float> got = download(b, *mix_got, mix_n);
@@ -133,7 +159,7 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
     Result<bool> too_many =
         b.hc_mix_fused(x.data(), norm.data(), down.data(), up.data(), nullptr,
                        cuda::kHcFusedMaxRows + 1, shape.streams, shape.hidden, shape.rank, eps,
-                       mix->data(), nullptr, scratch->data(), 1 << 20);
+                       mix->data(), nullptr, scratch->data(), 1 << 20, nullptr, nullptr);
     ASSERT_TRUE(too_many.ok());
     EXPECT_FALSE(*too_many);
   }

@@ -446,20 +446,24 @@ class CudaBackend final : public Backend, public StepProfiler {
     cuda::rms_norm_grouped_f16(h(x), h(weight), n_rows, n_groups, dim, eps, form, h(out), stream_);
     return ok_status();
   }
-  Result<bool> hc_mix_fused(const void* x, const void* norm_weight, const void* down,
-                            const void* up, const void* inject, int64_t n_rows, int64_t streams,
-                            int64_t hidden, int64_t rank, float eps, void* mix, void* inj,
-                            void* scratch, size_t scratch_bytes) override {
+  Result<bool> hc_mix_fused(void* x, const void* norm_weight, const void* down, const void* up,
+                            const void* inject, int64_t n_rows, int64_t streams, int64_t hidden,
+                            int64_t rank, float eps, void* mix, void* inj, void* scratch,
+                            size_t scratch_bytes, const void* pending_y,
+                            const void* pending_inj) override {
     if (!cuda::hc_mix_fused_supported(n_rows, streams, hidden, rank) ||
         scratch_bytes < cuda::hc_mix_fused_scratch_bytes(n_rows, streams, rank)) {
       return false;
     }
-    for (const void* p : {x, norm_weight, down, up, inject, static_cast<const void*>(mix),
-                          static_cast<const void*>(inj), static_cast<const void*>(scratch)}) {
+    if ((pending_y == nullptr) != (pending_inj == nullptr)) return false;
+    for (const void* p :
+         {static_cast<const void*>(x), norm_weight, down, up, inject, static_cast<const void*>(mix),
+          static_cast<const void*>(inj), static_cast<const void*>(scratch), pending_y}) {
       if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
     }
     cuda::hc_mix_fused_f16(h(x), h(norm_weight), h(down), h(up), h(inject), n_rows, streams, hidden,
-                           rank, eps, h(mix), h(inj), scratch, stream_);
+                           rank, eps, h(mix), h(inj), scratch, h(pending_y), h(pending_inj),
+                           stream_);
     return true;
   }
   Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {

@@ -19,15 +19,17 @@ constexpr int kSliceChunks = 8;  // launch 1: a warp's pass over its stream cove
 constexpr size_t kMaxActBytes = 48 * 1024;
 
 struct HcMixParams {
-  const uint16_t* x;
+  uint16_t* x;  // read; with a pending injection, launch 2 writes it back injected
   const uint16_t* norm_weight;
   const uint16_t* down;
   const uint16_t* up;
   const uint16_t* inject;
   uint16_t* mix;
   uint16_t* inj;
-  float* act;  // [n_rows, rank] silu(down / S), each value FP16-rounded
-  float* inv;  // [n_rows, streams] the streams' 1 / rms
+  float* act;                   // [n_rows, rank] silu(down / S), each value FP16-rounded
+  float* inv;                   // [n_rows, streams] the streams' 1 / rms
+  const uint16_t* pending_y;    // [n_rows, hidden] or null: an injection not yet applied to x
+  const uint16_t* pending_inj;  // [n_rows, streams] its logits
   int n_rows;
   int streams;
   int hidden;
@@ -49,10 +51,33 @@ struct alignas(16) Half8 {
   uint16_t h[8];
 };
 
+// hc_inject's gain for (row, stream) (hybrid_ops.cu: 2 sigmoid(inj / streams), the same fp32
+// operations).
+__device__ __forceinline__ float inject_gain(const HcMixParams& p, int r, int s) {
+  const float logit = h2f(p.pending_inj[r * p.streams + s]) / float(p.streams);
+  return 2.0f * (1.0f / (1.0f + expf(-logit)));
+}
+
+// x[r, s, j..j+8) as hc_inject(x, pending_y, pending_inj) leaves it: FP16(x + fl(gain * y)), or x
+// itself without a pending injection.
+__device__ __forceinline__ void load_x8(const HcMixParams& p, int r, int s, int j, float gain,
+                                        float (&v)[8]);
+
 __device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
   const Half8 raw = *reinterpret_cast<const Half8*>(p);
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = h2f(raw.h[i]);
+}
+
+__device__ __forceinline__ void load_x8(const HcMixParams& p, int r, int s, int j, float gain,
+                                        float (&v)[8]) {
+  load8(p.x + int64_t(r) * p.streams * p.hidden + int64_t(s) * p.hidden + j, v);
+  if (p.pending_y != nullptr) {
+    float y[8];
+    load8(p.pending_y + int64_t(r) * p.hidden + j, y);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = round_h(__fadd_rn(v[i], __fmul_rn(gain, y[i])));
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -85,15 +110,17 @@ __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant
 
   // Stream s's 1 / rms for every row (its 2 * hidden bytes come from L2 after the first warp).
   float inv[kHcFusedMaxRows];
+  float gain[kHcFusedMaxRows];
 #pragma unroll
   for (int r = 0; r < kHcFusedMaxRows; ++r) {
     inv[r] = 0.0f;
+    gain[r] = 0.0f;
     if (r < p.n_rows) {
-      const uint16_t* xs = p.x + int64_t(r) * width + int64_t(s) * p.hidden;
+      if (p.pending_y != nullptr) gain[r] = inject_gain(p, r, s);
       float ss = 0.0f;
       for (int j = lane * 8; j < p.hidden; j += 32 * 8) {
         float v[8];
-        load8(xs + j, v);
+        load_x8(p, r, s, j, gain[r], v);
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
       }
@@ -119,13 +146,12 @@ __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant
 #pragma unroll
     for (int r = 0; r < kHcFusedMaxRows; ++r) {
       if (r >= p.n_rows) break;
-      const uint16_t* xs = p.x + int64_t(r) * width + int64_t(s) * p.hidden;
 #pragma unroll
       for (int c = 0; c < kSliceChunks; ++c) {
         const int j = base + (c * 32 + lane) * 8;
         if (j < p.hidden) {
           float v[8];
-          load8(xs + j, v);
+          load_x8(p, r, s, j, gain[r], v);
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const float xn = round_h((v[i] * inv[r]) * (1.0f + h2f(gv[c].h[i])));
@@ -206,8 +232,17 @@ __global__ void __launch_bounds__(kThreads)
         }
         dot = warp_sum(dot);
         const float u = round_h(dot);
-        const float xn =
-            round_h((h2f(p.x[int64_t(r) * width + col]) * p.inv[r * p.streams + s]) * gain);
+        uint16_t* x_at = p.x + int64_t(r) * width + col;
+        float xv = h2f(*x_at);
+        if (p.pending_y != nullptr) {
+          // hc_inject's value, written back once every lane has read x (this warp alone owns
+          // column col of every row and stream in this launch).
+          xv = round_h(__fadd_rn(
+              xv, __fmul_rn(inject_gain(p, r, s), h2f(p.pending_y[int64_t(r) * p.hidden + j]))));
+          __syncwarp();
+          if (lane == 0) *x_at = f2h(xv);
+        }
+        const float xn = round_h((xv * p.inv[r * p.streams + s]) * gain);
         const float weighted = (1.0f / (1.0f + expf(-u))) * xn;
         mix[r] = s == 0 ? weighted : mix[r] + weighted;
       }
@@ -232,15 +267,19 @@ size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank)
   return size_t(n_rows * (rank + streams)) * sizeof(float);
 }
 
-void hc_mix_fused_f16(const uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
+void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
                       const uint16_t* up, const uint16_t* inject, int64_t n_rows, int64_t streams,
                       int64_t hidden, int64_t rank, float eps, uint16_t* mix, uint16_t* inj,
-                      void* scratch, cudaStream_t stream) {
+                      void* scratch, const uint16_t* pending_y, const uint16_t* pending_inj,
+                      cudaStream_t stream) {
   E4KV_ASSERT(hc_mix_fused_supported(n_rows, streams, hidden, rank),
               cat("hc_mix_fused_f16: unsupported shape: ", n_rows, " rows, ", streams,
                   " streams, hidden ", hidden, ", rank ", rank));
   E4KV_ASSERT((inject == nullptr) == (inj == nullptr),
               "hc_mix_fused_f16: inject and inj go together");
+  E4KV_ASSERT((pending_y == nullptr) == (pending_inj == nullptr) &&
+                  (pending_inj == nullptr || pending_inj != inj),
+              "hc_mix_fused_f16: pending_y and pending_inj go together, and not in inj");
   HcMixParams p{};
   p.x = x;
   p.norm_weight = norm_weight;
@@ -256,6 +295,8 @@ void hc_mix_fused_f16(const uint16_t* x, const uint16_t* norm_weight, const uint
   p.hidden = int(hidden);
   p.rank = int(rank);
   p.eps = eps;
+  p.pending_y = pending_y;
+  p.pending_inj = pending_inj;
   const int64_t outs_per_cta = kWarps / streams;
   const int64_t down_blocks = (rank + outs_per_cta - 1) / outs_per_cta;
   const int64_t inject_blocks = inject != nullptr ? (streams + outs_per_cta - 1) / outs_per_cta : 0;

@@ -37,9 +37,14 @@ size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank)
 // hidden]; up: [streams * hidden, rank]; inject: [streams, streams * hidden] or null (the final
 // mixer); mix: [n_rows, hidden] FP16; inj: [n_rows, streams] FP16 (null when inject is);
 // scratch: hc_mix_fused_scratch_bytes, 16-byte aligned. Every pointer 16-byte aligned.
-void hc_mix_fused_f16(const uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
+// pending_y [n_rows, hidden] and pending_inj [n_rows, streams] (both or neither; pending_inj not
+// inj): the previous block's injection, not yet applied. Both launches read x as hc_inject would
+// leave it (FP16(x + fl(2 sigmoid(inj / S) y)), hybrid_ops.cu's operations) and launch 2 writes
+// that back into x, so the separate hc_inject launch is saved.
+void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
                       const uint16_t* up, const uint16_t* inject, int64_t n_rows, int64_t streams,
                       int64_t hidden, int64_t rank, float eps, uint16_t* mix, uint16_t* inj,
-                      void* scratch, cudaStream_t stream);
+                      void* scratch, const uint16_t* pending_y, const uint16_t* pending_inj,
+                      cudaStream_t stream);
 
 }  // namespace e4kv::cuda

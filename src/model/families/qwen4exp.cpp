@@ -135,10 +135,10 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
                           HyperConnection::load(weights, p + "attn_hyper_connection.", m.hc_shape_,
                                                 /*inject=*/true));
     if (config.layers[size_t(i)] == LayerKind::kQsaAttention) {
-      E4KV_ASSIGN_OR_RETURN(QsaAttentionMixer qsa,
-                            QsaAttentionMixer::load(backend, weights, p + "self_attn.",
-                                                    m.qsa_shape_, core.rope.inv_freq.data(),
-                                                    options.tp));
+      E4KV_ASSIGN_OR_RETURN(
+          QsaAttentionMixer qsa,
+          QsaAttentionMixer::load(backend, weights, p + "self_attn.", m.qsa_shape_,
+                                  core.rope.inv_freq.data(), options.tp));
       layer.qsa.emplace(std::move(qsa));
     } else {
       E4KV_ASSIGN_OR_RETURN(DeltaNetMixer mixer,
@@ -493,17 +493,22 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
   core_.mark("embed");
   E4KV_RETURN_IF_ERROR(b.gather_rows(embed_.data(), step.ids(), n, hidden, ws.e.data()));
   E4KV_RETURN_IF_ERROR(b.hc_expand(ws.e.data(), n, hc_shape_.streams, hidden, ws.x.data()));
+  // The last block's injection, left for the next block's mix (which applies it inside its own
+  // launches where the backend fuses the mix: one launch fewer per block).
+  HcPending pending;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
     LayerMemory& mem = memory_[l];
     if (layer.ple) {
+      E4KV_RETURN_IF_ERROR(HyperConnection::apply_pending(b, n, ws.x.data(), pending, hc_shape_));
+      pending = {};
       core_.mark("ple");
       E4KV_RETURN_IF_ERROR(
           layer.ple->forward(b, n, ws.ple_step->device_rows(ple_index++, n, b.act_size()),
                              step.sequences(), ws.x.data(), *mem.ple, *ws.ple));
     }
     core_.mark("hyper_connection");
-    E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    E4KV_RETURN_IF_ERROR(layer.attn_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc, pending));
     core_.mark(layer.qsa ? "qsa" : "delta_net");
     if (layer.qsa) {
       probe_attention_input(b, batch.probe, int64_t(l), ws.mix.data(),
@@ -521,15 +526,16 @@ Status Qwen4ExpModel::run_layers(const ForwardBatch& batch) {
     }
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.y.data(), n * hidden));
     core_.mark("hyper_connection");
-    E4KV_RETURN_IF_ERROR(layer.attn_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
-    E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc));
+    pending = layer.attn_hc.defer_inject(ws.y.data(), ws.hc);
+    E4KV_RETURN_IF_ERROR(layer.mlp_hc.mix(b, n, ws.x.data(), ws.mix.data(), ws.hc, pending));
     core_.mark("moe");
     E4KV_RETURN_IF_ERROR(layer.moe.forward(b, n, ws.mix.data(), ws.y.data(), ws.moe));
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.y.data(), n * hidden));
     core_.mark("hyper_connection");
-    E4KV_RETURN_IF_ERROR(layer.mlp_hc.inject(b, n, ws.x.data(), ws.y.data(), ws.hc));
+    pending = layer.mlp_hc.defer_inject(ws.y.data(), ws.hc);
   }
-  return ok_status();
+  // The logits head reads x (its rows, then the final mixer): the last injection lands first.
+  return HyperConnection::apply_pending(b, n, ws.x.data(), pending, hc_shape_);
 }
 
 Status Qwen4ExpModel::run_device(const ForwardBatch& batch) {

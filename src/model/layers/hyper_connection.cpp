@@ -13,7 +13,8 @@ Result<HyperConnectionWorkspace> HyperConnectionWorkspace::create(Backend& backe
   E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.xn, n * size_t(shape.width()) * act},
                                                   {&ws.a, n * size_t(shape.rank) * act},
                                                   {&ws.up, n * size_t(shape.width()) * act},
-                                                  {&ws.inj, n * size_t(shape.streams) * act}}));
+                                                  {&ws.inj[0], n * size_t(shape.streams) * act},
+                                                  {&ws.inj[1], n * size_t(shape.streams) * act}}));
   return ws;
 }
 
@@ -37,20 +38,26 @@ Result<HyperConnection> HyperConnection::load(WeightLoader& weights, const std::
   return hc;
 }
 
-Status HyperConnection::mix(Backend& b, int64_t n, const void* x, void* mix,
-                            HyperConnectionWorkspace& ws) const {
+Status HyperConnection::mix(Backend& b, int64_t n, void* x, void* mix, HyperConnectionWorkspace& ws,
+                            const HcPending& pending) const {
   const HyperConnectionShape& s = shape_;
   const DType act = b.act_dtype();
   const float inv_streams = 1.0f / float(s.streams);
+  // This block's logits go to the buffer the pending injection does not hold.
+  void* inj = pending.inj == ws.inj[0].data() ? ws.inj[1].data() : ws.inj[0].data();
   {
     const bool inject = !inject_.empty();
     E4KV_ASSIGN_OR_RETURN(
         const bool fused,
-        b.hc_mix_fused(x, norm_.data(), down_.data(), up_.data(),
-                       inject ? inject_.data() : nullptr, n, s.streams, s.hidden, s.rank, s.eps,
-                       mix, inject ? ws.inj.data() : nullptr, ws.up.data(), ws.up.bytes()));
-    if (fused) return ok_status();
+        b.hc_mix_fused(x, norm_.data(), down_.data(), up_.data(), inject ? inject_.data() : nullptr,
+                       n, s.streams, s.hidden, s.rank, s.eps, mix, inject ? inj : nullptr,
+                       ws.up.data(), ws.up.bytes(), pending.y, pending.inj));
+    if (fused) {
+      ws.last_inj = inject ? inj : nullptr;
+      return ok_status();
+    }
   }
+  if (pending) E4KV_RETURN_IF_ERROR(apply_pending(b, n, x, pending, s));
   E4KV_RETURN_IF_ERROR(b.rms_norm_grouped(x, norm_.data(), n, s.streams, s.hidden, s.eps,
                                           RmsNormForm::kOnePlusWeight, ws.xn.data()));
   E4KV_RETURN_IF_ERROR(
@@ -60,16 +67,28 @@ Status HyperConnection::mix(Backend& b, int64_t n, const void* x, void* mix,
       b.linear(ws.a.data(), up_.data(), nullptr, n, s.rank, s.width(), ws.up.data(), act));
   E4KV_RETURN_IF_ERROR(b.hc_mix(ws.up.data(), ws.xn.data(), n, s.streams, s.hidden, mix));
   if (!inject_.empty()) {
-    E4KV_RETURN_IF_ERROR(b.linear(ws.xn.data(), inject_.data(), nullptr, n, s.width(), s.streams,
-                                  ws.inj.data(), act));
+    E4KV_RETURN_IF_ERROR(
+        b.linear(ws.xn.data(), inject_.data(), nullptr, n, s.width(), s.streams, inj, act));
   }
+  ws.last_inj = inject_.empty() ? nullptr : inj;
   return ok_status();
 }
 
 Status HyperConnection::inject(Backend& b, int64_t n, void* x, const void* y,
                                HyperConnectionWorkspace& ws) const {
-  E4KV_ASSERT(!inject_.empty(), "HyperConnection::inject on a block without injection weights");
-  return b.hc_inject(x, y, ws.inj.data(), n, shape_.streams, shape_.hidden);
+  return apply_pending(b, n, x, defer_inject(y, ws), shape_);
+}
+
+HcPending HyperConnection::defer_inject(const void* y, const HyperConnectionWorkspace& ws) const {
+  E4KV_ASSERT(!inject_.empty() && ws.last_inj != nullptr,
+              "HyperConnection::inject on a block without injection weights or logits");
+  return HcPending{y, ws.last_inj};
+}
+
+Status HyperConnection::apply_pending(Backend& b, int64_t n, void* x, const HcPending& pending,
+                                      const HyperConnectionShape& shape) {
+  if (!pending) return ok_status();
+  return b.hc_inject(x, pending.y, pending.inj, n, shape.streams, shape.hidden);
 }
 
 }  // namespace e4kv

@@ -29,14 +29,24 @@ struct HyperConnectionShape {
 
 // Activations of the hyper-connection blocks of one model, shared by its layers.
 struct HyperConnectionWorkspace {
-  BackendBuffer xn;   // [rows, streams * hidden] act
-  BackendBuffer a;    // [rows, rank] act
-  BackendBuffer up;   // [rows, streams * hidden] act
-  BackendBuffer inj;  // [rows, streams] act
+  BackendBuffer xn;      // [rows, streams * hidden] act
+  BackendBuffer a;       // [rows, rank] act
+  BackendBuffer up;      // [rows, streams * hidden] act
+  BackendBuffer inj[2];  // [rows, streams] act: a block's logits, and the previous block's while
+                         // its injection is pending (HcPending)
+  const void* last_inj = nullptr;  // which of inj[] the last mix() wrote
 
   static Result<HyperConnectionWorkspace> create(Backend& backend,
                                                  const HyperConnectionShape& shape,
                                                  int64_t max_rows);
+};
+
+// A block's injection not yet applied to x: mix() of the next block applies it (in its fused
+// form, inside the mix's own launches; otherwise as hc_inject first), apply_pending() alone.
+struct HcPending {
+  const void* y = nullptr;    // [n, hidden] act: the block's output
+  const void* inj = nullptr;  // [n, streams] act: its injection logits (one of ws.inj[])
+  explicit operator bool() const { return y != nullptr; }
 };
 
 class HyperConnection {
@@ -48,11 +58,23 @@ class HyperConnection {
 
   // mix = the block's input mix of x for n rows; with injection, also leaves the injection
   // logits of these rows in ws.inj for inject(). x: [n, width] act; mix: [n, hidden] act.
+  // `pending`: the previous block's injection, applied to x first (x is written).
+  Status mix(Backend& backend, int64_t n, void* x, void* mix, HyperConnectionWorkspace& ws,
+             const HcPending& pending) const;
+  // Nothing pending: x is only read.
   Status mix(Backend& backend, int64_t n, const void* x, void* mix,
-             HyperConnectionWorkspace& ws) const;
+             HyperConnectionWorkspace& ws) const {
+    return this->mix(backend, n, const_cast<void*>(x), mix, ws, HcPending{});
+  }
   // x_s += 2 sigmoid(inj_s / S) * y, with the logits mix() left in ws. y: [n, hidden] act.
   Status inject(Backend& backend, int64_t n, void* x, const void* y,
                 HyperConnectionWorkspace& ws) const;
+  // The same injection left for the next block's mix() (y must stay unchanged until then).
+  HcPending defer_inject(const void* y, const HyperConnectionWorkspace& ws) const;
+  // Applies a pending injection on its own (before anything else reads or changes x).
+  static Status apply_pending(Backend& backend, int64_t n, void* x, const HcPending& pending,
+                              const HyperConnectionShape& shape);
+  const HyperConnectionShape& shape() const { return shape_; }
 
  private:
   HyperConnectionShape shape_;
