@@ -5,10 +5,13 @@
 // element groups, rows longer than one 1024-element chunk and not a multiple of it), FP8 with
 // 128- and 32-column blocks whose last block is partial; the per-element fallback (in not a
 // multiple of 32 or 16, W4 group 16); out not a multiple of the CTA's 8 or 16 rows; n = 1, 3,
-// 16, 17, 64 rows (n <= 16 the GEMV, in tiles of 1, 4 and 8 rows; n = 17 and 64 the tensor-core
-// tiles where a 64-wide k-tile lies in one group: W4 and FP8 with group 128, every NVFP4 weight;
-// the GEMV in 8-row tiles for groups 32); bias on and off; y FP16 and fp32 (logits). Outputs are
-// poisoned with NaN first.
+// 16, 17, 64 rows, each on two CUDA backends: one that may allocate its dequantization scratch
+// (from kQuantDequantMinRows rows the weight is dequantized to FP16 in 32 MB slices and multiplied
+// by cuBLAS; a 4200 x 4096 weight takes two slices) and one that may not, which runs the quantized
+// kernels at every n (n <= 16 the GEMV, in tiles of 1, 4 and 8 rows; n = 17 and 64 the
+// tensor-core tiles where a 64-wide k-tile lies in one group: W4 and FP8 with group 128, every
+// NVFP4 weight; the GEMV in 8-row tiles for groups 32); bias on and off; y FP16 and fp32
+// (logits). Outputs are poisoned with NaN first.
 // Also: the launch captured in a CUDA graph (no allocation, no host wait) replays bit for bit, and
 // shapes the kernels cannot take are refused with the shape named (that part runs without a GPU).
 //
@@ -22,7 +25,9 @@
 //   FP16 y:  |gpu - cpu| <= 2^-11 (|cpu| + b32) + b32 + 2^-25   (b32 the fp32 bound; the final
 //            rounding to FP16 is half an ulp, 2^-25 at the subnormal end)
 // A wrong code, group, scale or row costs about |w x| ~ A / K per term and far more in sum, which
-// is above the bound for every K used here (K <= 4096: 2 (K + 8) 2^-24 <= 5e-4 of A).
+// is above the bound for every K used here (K <= 4096: 2 (K + 8) 2^-24 <= 5e-4 of A). The
+// dequantized path rounds each weight to FP16 once more (|w16 - w| <= 2^-11 |w|): its fp32 bound
+// adds 2^-11 sum_k |w x|.
 #include <gtest/gtest.h>
 
 #include <cmath>
