@@ -34,7 +34,8 @@ with open(sys.argv[1], newline="") as f:
 for r in csv.DictReader(lines):
     if r.get("Metric Name") != "gpu__time_duration.sum":
         continue
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}[r["Metric Unit"]]
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+             "s": 1e6, "second": 1e6}[r["Metric Unit"]]
     value = float(r["Metric Value"].replace(",", "")) * scale
     name = re.sub(r"\(.*", "", r["Kernel Name"]).strip()
     rows.append((name, value))

@@ -97,6 +97,13 @@ class Load:
             path = "/v1/completions"
         if stream:
             body["stream_options"] = {"include_usage": True}
+            if self.args.stream_logprobs:
+                # Every token's event then carries its logprob: the first token is seen even
+                # when its text is held back or empty (a synthetic vocabulary).
+                if chat:
+                    body["logprobs"] = True
+                else:
+                    body["logprobs"] = 0
         drop = stream and rng.random() < self.args.drop
         t0 = time.monotonic()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
@@ -144,7 +151,8 @@ class Load:
                     for c in obj.get("choices", []):
                         piece = c.get("text") or (c.get("delta") or {}).get("content") or \
                             (c.get("delta") or {}).get("reasoning_content")
-                        if piece and ttft is None:
+                        token = piece or (self.args.stream_logprobs and c.get("logprobs"))
+                        if token and ttft is None:
                             ttft = time.monotonic() - t0
                         if c.get("finish_reason"):
                             finish = c["finish_reason"]
@@ -184,6 +192,9 @@ def main():
     p.add_argument("--drop", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-prompts", default="")
+    p.add_argument("--stream-logprobs", action="store_true",
+                   help="request logprobs on streamed requests and take the first event with a "
+                        "token's logprob as the first token (TTFT where texts are empty)")
     p.add_argument("--wait-ready", type=float, default=0,
                    help="seconds to wait for /health to answer 200 (a server still loading)")
     args = p.parse_args()

@@ -92,7 +92,7 @@ case "${PHASE:-setup}" in
     if [ -z "$port" ]; then echo "serve did not start"; cat "$OUT/serve.err"; kill $pid; exit 1; fi
     python3 bench/serve_load.py --url "http://127.0.0.1:$port" --clients 64 --wait-ready 300 \
       --seconds "${LOAD_SECONDS:-60}" --token-prompts 100,1000 --prompt-words 64,512 \
-      --max-tokens 16,256 | tee "$OUT/serve_load.json"
+      --max-tokens 16,256 --stream-logprobs | tee "$OUT/serve_load.json"
     echo "load rc=${PIPESTATUS[0]}"
     kill -TERM $pid
     wait $pid
