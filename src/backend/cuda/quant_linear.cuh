@@ -41,7 +41,7 @@ Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias
 // tensor-core tiles above dequantize each fragment once per 64-row tile; dequantizing once costs
 // 2 bytes written and read per weight beside cuBLAS's own FP16 read (bench/RESULTS.md measures
 // both against cuBLAS FP16).
-inline constexpr int64_t kQuantDequantMinRows = 9;
+inline constexpr int64_t kQuantDequantMinRows = 32;
 
 // FP16 rows [row0, row0 + rows) of dequant(w) into out [rows, w.in] (8-byte aligned): each
 // element quant/dequantize.h's fp32 value rounded once to FP16. w: kW4, kNvfp4 or kFp8Block.
