@@ -6,6 +6,7 @@
 // fp32 sums, so the outputs agree to a few FP16 ulps (relative L2 <= 2e-3, where a wrong stream,
 // row or weight layout is of order 1). With a previous block's injection pending, the fused form
 // against hc_inject followed by the composition, and x left as hc_inject leaves it, bit for bit.
+// Both kernel pairs (cuda::HcMixKernels): the backend's and the load-first pair, called directly.
 // Also: more rows than the fused form takes run the composition (hc_mix_fused returns false and
 // writes nothing).
 #include <gtest/gtest.h>
@@ -15,6 +16,8 @@
 #include <memory>
 #include <random>
 #include <vector>
+
+#include <cuda_runtime_api.h>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/hc_mix_fused.cuh"
@@ -48,6 +51,10 @@ std::vector<float> download(Backend& b, const BackendBuffer& buf, size_t n) {
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(raw[i]);
   return out;
+}
+
+const uint16_t* h(const BackendBuffer& buf) {
+  return static_cast<const uint16_t*>(buf.data());
 }
 
 double rel_l2(const std::vector<float>& want, const std::vector<float>& got) {
@@ -125,30 +132,47 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
         const size_t scratch_bytes = cuda::hc_mix_fused_scratch_bytes(n, shape.streams, shape.rank);
         Result<BackendBuffer> scratch = b.allocate(scratch_bytes);
         ASSERT_TRUE(mix_got.ok() && inj_got.ok() && scratch.ok());
-        const BackendBuffer x_got = upload(b, x_host);
-        Result<bool> fused = b.hc_mix_fused(
-            x_got.data(), norm.data(), down.data(), up.data(),
-            with_inject ? inject.data() : nullptr, n, shape.streams, shape.hidden, shape.rank, eps,
-            mix_got->data(), with_inject ? inj_got->data() : nullptr, scratch->data(),
-            scratch_bytes, pending ? pending_y.data() : nullptr,
-            pending ? pending_inj.data() : nullptr);
-        ASSERT_TRUE(fused.ok()) << fused.message();
-        ASSERT_TRUE(*fused);
-        // x after the call: hc_inject's result bit for bit (the same fp32 operations), or x
-        // unchanged without a pending injection; rows past n untouched either way.
-        {
-          std::vector<uint16_t> got_x(x_host.size()), want_x(x_host.size());
-          b.copy_to_host(got_x.data(), x_got.data(), got_x.size() * 2);
-          b.copy_to_host(want_x.data(), x_want.data(), want_x.size() * 2);
-          EXPECT_EQ(got_x, want_x);
-        }
-        const size_t mix_n = size_t(n * shape.hidden);
-        const std::vector<float> want = download(b, *mix_want, mix_n);
-        const std::vector<float> got = download(b, *mix_got, mix_n);
-        EXPECT_LE(rel_l2(want, got), 2e-3);
-        if (with_inject) {
-          const size_t inj_n = size_t(n * shape.streams);
-          EXPECT_LE(rel_l2(download(b, *inj_want, inj_n), download(b, *inj_got, inj_n)), 2e-3);
+        for (const cuda::HcMixKernels kernels :
+             {cuda::HcMixKernels::kWarpPerSlice, cuda::HcMixKernels::kLoadFirst}) {
+          SCOPED_TRACE(kernels == cuda::HcMixKernels::kLoadFirst ? "load-first kernels"
+                                                                 : "warp-per-slice kernels");
+          const BackendBuffer x_got = upload(b, x_host);
+          if (kernels == cuda::HcMixKernels::kWarpPerSlice) {  // the backend's choice
+            Result<bool> fused = b.hc_mix_fused(
+                x_got.data(), norm.data(), down.data(), up.data(),
+                with_inject ? inject.data() : nullptr, n, shape.streams, shape.hidden, shape.rank,
+                eps, mix_got->data(), with_inject ? inj_got->data() : nullptr, scratch->data(),
+                scratch_bytes, pending ? pending_y.data() : nullptr,
+                pending ? pending_inj.data() : nullptr);
+            ASSERT_TRUE(fused.ok()) << fused.message();
+            ASSERT_TRUE(*fused);
+          } else {
+            b.synchronize();
+            cuda::hc_mix_fused_f16(static_cast<uint16_t*>(x_got.data()), h(norm), h(down), h(up),
+                                   with_inject ? h(inject) : nullptr, n, shape.streams,
+                                   shape.hidden, shape.rank, eps,
+                                   static_cast<uint16_t*>(mix_got->data()),
+                                   with_inject ? static_cast<uint16_t*>(inj_got->data()) : nullptr,
+                                   scratch->data(), pending ? h(pending_y) : nullptr,
+                                   pending ? h(pending_inj) : nullptr, nullptr, kernels);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          }
+          // x after the call: hc_inject's result bit for bit (the same fp32 operations), or x
+          // unchanged without a pending injection; rows past n untouched either way.
+          {
+            std::vector<uint16_t> got_x(x_host.size()), want_x(x_host.size());
+            b.copy_to_host(got_x.data(), x_got.data(), got_x.size() * 2);
+            b.copy_to_host(want_x.data(), x_want.data(), want_x.size() * 2);
+            EXPECT_EQ(got_x, want_x);
+          }
+          const size_t mix_n = size_t(n * shape.hidden);
+          const std::vector<float> want = download(b, *mix_want, mix_n);
+          const std::vector<float> got = download(b, *mix_got, mix_n);
+          EXPECT_LE(rel_l2(want, got), 2e-3);
+          if (with_inject) {
+            const size_t inj_n = size_t(n * shape.streams);
+            EXPECT_LE(rel_l2(download(b, *inj_want, inj_n), download(b, *inj_got, inj_n)), 2e-3);
+          }
         }
       }
     }

@@ -255,6 +255,211 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- the load-first kernels (HcMixKernels::kLoadFirst) -----------------------------------------
+// The same work with every load issued before its first use: launch 1 takes one pass over x per
+// row that sums x^2 and x (1 + g) w together and scales the finished dot by 1 / rms (the
+// normalised stream stays fp32 inside the dot: a rounding-order difference from the unfused
+// ops), so a warp waits for memory once per pass instead of once per 256 values; launch 2
+// loads the up rows of all streams and, one (row, stream) per lane, x, 1 / rms and the gains
+// before any reduction, and broadcasts the normalised inputs by shuffles.
+
+// Two CTAs an SM (128 registers): the benchmark model's 162 CTAs in one wave.
+__global__ void __launch_bounds__(kThreads, 2)
+    hc_down_load_first_kernel(const __grid_constant__ HcMixParams p) {
+  enter_dependent_grid();
+  __shared__ float partial[kWarps][kHcFusedMaxRows];
+  const int width = p.streams * p.hidden;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int s = warp % p.streams;
+  const int slot = warp / p.streams;
+  const int outs_per_cta = kWarps / p.streams;
+  const int down_blocks = (p.rank + outs_per_cta - 1) / outs_per_cta;
+  const bool is_inject = int(blockIdx.x) >= down_blocks;
+  const int out =
+      (is_inject ? int(blockIdx.x) - down_blocks : int(blockIdx.x)) * outs_per_cta + slot;
+  const bool active = out < (is_inject ? p.streams : p.rank);
+  const uint16_t* w_row =
+      (is_inject ? p.inject : p.down) + int64_t(active ? out : 0) * width + int64_t(s) * p.hidden;
+  const uint16_t* gain_row = p.norm_weight + int64_t(s) * p.hidden;
+
+  float gain[kHcFusedMaxRows];
+  float ss[kHcFusedMaxRows];
+  float dot[kHcFusedMaxRows];
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) {
+    ss[r] = dot[r] = 0.0f;
+    gain[r] = p.pending_y != nullptr && r < p.n_rows ? inject_gain(p, r, s) : 0.0f;
+  }
+  // Passes of kPass chunks a lane: the weight and gain chunks, then each row's x (and pending y)
+  // chunks, are all loaded before the first of them is used.
+  constexpr int kPass = 2;
+  for (int base = 0; base < p.hidden; base += 32 * 8 * kPass) {
+    Half8 wv[kPass];
+    Half8 gv[kPass];
+#pragma unroll
+    for (int c = 0; c < kPass; ++c) {
+      const int j = base + (c * 32 + lane) * 8;
+      wv[c] = gv[c] = Half8{};
+      if (j < p.hidden) {
+        load8_raw(w_row + j, wv[c]);
+        load8_raw(gain_row + j, gv[c]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r >= p.n_rows) break;
+      const uint16_t* xs = p.x + int64_t(r) * width + int64_t(s) * p.hidden;
+      const uint16_t* ys = p.pending_y != nullptr ? p.pending_y + int64_t(r) * p.hidden : nullptr;
+      Half8 xr[kPass];
+      Half8 yr[kPass];
+#pragma unroll
+      for (int c = 0; c < kPass; ++c) {
+        const int j = base + (c * 32 + lane) * 8;
+        xr[c] = yr[c] = Half8{};
+        if (j < p.hidden) {
+          load8_raw(xs + j, xr[c]);
+          if (ys != nullptr) load8_raw(ys + j, yr[c]);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kPass; ++c) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float v = h2f(xr[c].h[i]);
+          // hc_inject's value (load_x8); chunks past hidden are zeros and add nothing.
+          if (ys != nullptr) v = round_h(__fadd_rn(v, __fmul_rn(gain[r], h2f(yr[c].h[i]))));
+          ss[r] += v * v;
+          dot[r] += (v * (1.0f + h2f(gv[c].h[i]))) * h2f(wv[c].h[i]);
+        }
+      }
+    }
+  }
+  float inv[kHcFusedMaxRows];
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) {
+    inv[r] = 0.0f;
+    if (r >= p.n_rows) break;
+    inv[r] = 1.0f / sqrtf(warp_sum(ss[r]) / float(p.hidden) + p.eps);
+    const float d = warp_sum(dot[r]) * inv[r];
+    if (lane == 0) partial[warp][r] = d;
+  }
+  if (blockIdx.x == 0 && slot == 0 && lane < p.n_rows) {
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r == lane) p.inv[r * p.streams + s] = inv[r];
+    }
+  }
+  __syncthreads();
+  if (active && s == 0 && lane < p.n_rows) {
+    const int r = lane;
+    float total = 0.0f;
+    for (int t = 0; t < p.streams; ++t) total += partial[warp + t][r];
+    if (is_inject) {
+      p.inj[r * p.streams + out] = f2h(total);
+    } else {
+      const float scaled = round_h(total) * (1.0f / float(p.streams));
+      p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
+    }
+  }
+}
+
+// kChunks: 16-byte chunks of an up row per lane (rank <= kChunks * 256).
+template <int kChunks>
+__global__ void __launch_bounds__(kThreads)
+    hc_up_mix_load_first_kernel(const __grid_constant__ HcMixParams p) {
+  enter_dependent_grid();
+  extern __shared__ __align__(16) float act_s[];  // [n_rows, rank]
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int width = p.streams * p.hidden;
+  const int j = int(blockIdx.x) * kWarps + warp;
+  const bool column = j < p.hidden;
+  // The up rows of column j for every stream, before anything waits.
+  Half8 w[kMaxStreams][kChunks];
+#pragma unroll
+  for (int s = 0; s < kMaxStreams; ++s) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int at = (k * 32 + lane) * 8;
+      if (column && s < p.streams && at < p.rank) {
+        load8_raw(p.up + int64_t(s * p.hidden + j) * p.rank + at, w[s][k]);
+      } else {
+        w[s][k] = Half8{};
+      }
+    }
+  }
+  // One (row, stream) pair per lane (two where rows x streams > 32): x as injected, its
+  // normalised value xn.
+  constexpr int kPairsPerLane = kHcFusedMaxRows * kMaxStreams / 32;
+  float xv[kPairsPerLane];
+  float xn[kPairsPerLane];
+  const int n_pairs = p.n_rows * p.streams;
+#pragma unroll
+  for (int q = 0; q < kPairsPerLane; ++q) {
+    const int idx = q * 32 + lane;
+    xv[q] = xn[q] = 0.0f;
+    if (column && idx < n_pairs) {
+      const int r = idx / p.streams;
+      const int s = idx % p.streams;
+      xv[q] = h2f(p.x[int64_t(r) * width + s * p.hidden + j]);
+      if (p.pending_y != nullptr) {
+        xv[q] = round_h(__fadd_rn(
+            xv[q], __fmul_rn(inject_gain(p, r, s), h2f(p.pending_y[int64_t(r) * p.hidden + j]))));
+      }
+      xn[q] = round_h((xv[q] * p.inv[r * p.streams + s]) *
+                      (1.0f + h2f(p.norm_weight[s * p.hidden + j])));
+    }
+  }
+  for (int i = threadIdx.x; i < p.n_rows * p.rank; i += kThreads) act_s[i] = p.act[i];
+  __syncthreads();
+  if (!column) return;
+  float mix[kHcFusedMaxRows];
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) mix[r] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kMaxStreams; ++s) {
+    if (s >= p.streams) break;
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r >= p.n_rows) break;
+      float dot = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int at = (k * 32 + lane) * 8;
+        if (at < p.rank) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dot += act_s[r * p.rank + at + i] * h2f(w[s][k].h[i]);
+        }
+      }
+      const float u = round_h(warp_sum(dot));
+      const int idx = r * p.streams + s;
+      float x_norm = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kPairsPerLane; ++q) {
+        const float v = __shfl_sync(0xFFFFFFFFu, xn[q], idx % 32);
+        if (idx / 32 == q) x_norm = v;
+      }
+      const float weighted = (1.0f / (1.0f + expf(-u))) * x_norm;
+      mix[r] = s == 0 ? weighted : mix[r] + weighted;
+    }
+  }
+  if (p.pending_y != nullptr) {
+#pragma unroll
+    for (int q = 0; q < kPairsPerLane; ++q) {
+      const int idx = q * 32 + lane;
+      if (idx < n_pairs) {
+        p.x[int64_t(idx / p.streams) * width + (idx % p.streams) * p.hidden + j] = f2h(xv[q]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kHcFusedMaxRows; ++r) {
+    if (r < p.n_rows && lane == r)
+      p.mix[int64_t(r) * p.hidden + j] = f2h(mix[r] / float(p.streams));
+  }
+}
+
 }  // namespace
 
 bool hc_mix_fused_supported(int64_t n_rows, int64_t streams, int64_t hidden, int64_t rank) {
@@ -271,7 +476,7 @@ void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* 
                       const uint16_t* up, const uint16_t* inject, int64_t n_rows, int64_t streams,
                       int64_t hidden, int64_t rank, float eps, uint16_t* mix, uint16_t* inj,
                       void* scratch, const uint16_t* pending_y, const uint16_t* pending_inj,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, HcMixKernels kernels) {
   E4KV_ASSERT(hc_mix_fused_supported(n_rows, streams, hidden, rank),
               cat("hc_mix_fused_f16: unsupported shape: ", n_rows, " rows, ", streams,
                   " streams, hidden ", hidden, ", rank ", rank));
@@ -300,13 +505,22 @@ void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* 
   const int64_t outs_per_cta = kWarps / streams;
   const int64_t down_blocks = (rank + outs_per_cta - 1) / outs_per_cta;
   const int64_t inject_blocks = inject != nullptr ? (streams + outs_per_cta - 1) / outs_per_cta : 0;
-  launch_kernel(hc_down_kernel,
-                LaunchDims{dim3(unsigned(down_blocks + inject_blocks)), dim3(kThreads), 0}, stream,
-                p);
-  launch_kernel(hc_up_mix_kernel,
-                LaunchDims{dim3(unsigned((hidden + kWarps - 1) / kWarps)), dim3(kThreads),
-                           size_t(n_rows * rank) * sizeof(float)},
-                stream, p);
+  const LaunchDims down_dims{dim3(unsigned(down_blocks + inject_blocks)), dim3(kThreads), 0};
+  const LaunchDims up_dims{dim3(unsigned((hidden + kWarps - 1) / kWarps)), dim3(kThreads),
+                           size_t(n_rows * rank) * sizeof(float)};
+  if (kernels == HcMixKernels::kLoadFirst) {
+    launch_kernel(hc_down_load_first_kernel, down_dims, stream, p);
+    if (rank <= 256) {
+      launch_kernel(hc_up_mix_load_first_kernel<1>, up_dims, stream, p);
+    } else if (rank <= 512) {
+      launch_kernel(hc_up_mix_load_first_kernel<2>, up_dims, stream, p);
+    } else {
+      launch_kernel(hc_up_mix_load_first_kernel<4>, up_dims, stream, p);
+    }
+    return;
+  }
+  launch_kernel(hc_down_kernel, down_dims, stream, p);
+  launch_kernel(hc_up_mix_kernel, up_dims, stream, p);
 }
 
 }  // namespace e4kv::cuda
