@@ -5,7 +5,8 @@
 # base, new, base, new on the same checkpoint, then bench/profile_step_gpu.sh (ncu, per kernel)
 # on the new binary. Logs and JSON in $OUT (ab_*.log / .json).
 # Environment: BATCHES (default 1,8), CONTEXTS (default 4096), ROUNDS (default 1: base then new),
-# PROFILE (default 1), E4KV_BENCH_CKPT (default /tmp/e4kv_q4e).
+# VARIANT_ENV (VAR=VALUE ...: also the new binary under these, e.g.
+# E4KV_HC_MIX_KERNELS=load-first), PROFILE (default 1), E4KV_BENCH_CKPT (default /tmp/e4kv_q4e).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
@@ -18,15 +19,21 @@ tar -C /tmp/e4kv_base -xJf out/base.tar.xz || exit 1
 CKPT=${E4KV_BENCH_CKPT:-/tmp/e4kv_q4e}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/ab_env.txt"
 echo "base $(cat /tmp/e4kv_base/COMMIT), new $(cat $B/COMMIT)" | tee -a "$OUT/ab_env.txt"
-run() {  # run NAME BINARY
-  local t=$(date +%s)
-  timeout "${LIMIT_EACH:-200}" "$2" "$OUT/ab_$1.json" --keep-checkpoint "$CKPT" \
-    --batches "${BATCHES:-1,8}" --contexts "${CONTEXTS:-4096}" --cache fp16 >"$OUT/ab_$1.log" 2>&1
-  echo "=== $1 rc=$? $(($(date +%s) - t)) s"
-  grep -E "in_place|in place|total|x[0-9]+ +host|^fp16|step" "$OUT/ab_$1.log" | tail -40
+run() {  # run NAME BINARY [VAR=VALUE ...]
+  local t=$(date +%s) name=$1 bin=$2
+  shift 2
+  timeout "${LIMIT_EACH:-200}" env "$@" "$bin" "$OUT/ab_$name.json" --keep-checkpoint "$CKPT" \
+    --batches "${BATCHES:-1,8}" --contexts "${CONTEXTS:-4096}" --cache fp16 >"$OUT/ab_$name.log" 2>&1
+  echo "=== $name rc=$? $(($(date +%s) - t)) s"
+  grep -E "in_place|in place|total|x[0-9]+ +host|^fp16|step" "$OUT/ab_$name.log" | tail -40
 }
 for r in $(seq 1 "${ROUNDS:-1}"); do
   run "base_$r" /tmp/e4kv_base/e4kv_bench_qwen4exp
   run "new_$r" $B/bench/e4kv_bench_qwen4exp
+  # VARIANT_ENV: the new binary again under these settings (e.g. E4KV_HC_MIX_KERNELS=load-first).
+  if [ -n "${VARIANT_ENV:-}" ]; then
+    # shellcheck disable=SC2086
+    run "variant_$r" $B/bench/e4kv_bench_qwen4exp $VARIANT_ENV
+  fi
 done
 if [ "${PROFILE:-1}" = 1 ]; then LIMIT=${PROFILE_LIMIT:-200} bench/profile_step_gpu.sh; fi

@@ -9,7 +9,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -100,7 +103,10 @@ class CudaGraphExec final : public BackendGraph {
 class CudaBackend final : public Backend, public StepProfiler {
  public:
   explicit CudaBackend(const CudaBackendOptions& options)
-      : device_(options.device), attention_(options.device, options.force_software_e4m3) {
+      : device_(options.device),
+        attention_(options.device, options.force_software_e4m3),
+        hc_mix_kernels_(options.hc_mix_load_first ? cuda::HcMixKernels::kLoadFirst
+                                                  : cuda::HcMixKernels::kWarpPerSlice) {
     E4KV_CUDA_CHECK(cudaSetDevice(device_));
     E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     E4KV_CUBLAS_CHECK(cublasCreate(&cublas_));
@@ -463,7 +469,7 @@ class CudaBackend final : public Backend, public StepProfiler {
     }
     cuda::hc_mix_fused_f16(h(x), h(norm_weight), h(down), h(up), h(inject), n_rows, streams, hidden,
                            rank, eps, h(mix), h(inj), scratch, h(pending_y), h(pending_inj),
-                           stream_);
+                           stream_, hc_mix_kernels_);
     return true;
   }
   Status silu_scaled(const void* x, int64_t n, float scale, void* out) override {
@@ -737,6 +743,7 @@ class CudaBackend final : public Backend, public StepProfiler {
   bool capturing_ = false;
   void* cublas_workspace_ = nullptr;
   cuda::PagedAttentionRunner attention_;
+  cuda::HcMixKernels hc_mix_kernels_;
   bool profiling_ = false;
   bool profile_isolate_ = false;
   std::vector<ProfileMark> profile_marks_;
@@ -875,8 +882,18 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
     return Status::error(
         cat("--device cuda:", options.device, ": only ", count, " CUDA device(s) are visible"));
   }
+  CudaBackendOptions resolved = options;
+  if (const char* kernels = std::getenv("E4KV_HC_MIX_KERNELS"); kernels != nullptr) {
+    const std::string_view v(kernels);
+    if (v == "load-first") {
+      resolved.hc_mix_load_first = true;
+    } else if (v != "warp-per-slice" && !v.empty()) {
+      return Status::error(
+          cat("E4KV_HC_MIX_KERNELS=", v, ": expected load-first or warp-per-slice (or unset)"));
+    }
+  }
   E4KV_CUDA_CHECK(cudaSetDevice(options.device));
-  return std::unique_ptr<Backend>(new CudaBackend(options));
+  return std::unique_ptr<Backend>(new CudaBackend(resolved));
 }
 
 StepProfiler* cuda_step_profiler(Backend& backend) {

@@ -20,9 +20,14 @@ struct CudaBackendOptions {
   // Use the software E4M3 decoder even where the native conversion exists (sm_89+), as
   // E4KV_FORCE_SOFTWARE_E4M3=1 does.
   bool force_software_e4m3 = false;
+  // The hyper-connection mix's load-first kernels (cuda::HcMixKernels::kLoadFirst) instead of the
+  // default pair, as E4KV_HC_MIX_KERNELS=load-first does (for A/B benchmarks; the default until
+  // the load-first pair has been measured).
+  bool hc_mix_load_first = false;
 };
 
-// Errors: no CUDA device, or `device` out of range.
+// Errors: no CUDA device, `device` out of range, E4KV_HC_MIX_KERNELS set to something other than
+// load-first or warp-per-slice.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options = {});
 
 // The step profiler of a CUDA backend (CUDA events on its stream; Model::set_step_profiler);
