@@ -90,6 +90,33 @@ __device__ __forceinline__ void load8_raw(const uint16_t* p, Half8& v) {
   v = *reinterpret_cast<const Half8*>(p);
 }
 
+// Launch 1's epilogue (both kernel pairs): CTA 0 stores the rows' 1 / rms for launch 2, then
+// each output's first warp sums its streams' partial dots (stream order) per row and writes the
+// injection logit or silu(. / S) of the down projection.
+__device__ __forceinline__ void finish_down(const HcMixParams& p,
+                                            float (&partial)[kWarps][kHcFusedMaxRows],
+                                            const float (&inv)[kHcFusedMaxRows], int warp, int lane,
+                                            int s, int slot, int out, bool active, bool is_inject) {
+  if (blockIdx.x == 0 && slot == 0 && lane < p.n_rows) {
+#pragma unroll
+    for (int r = 0; r < kHcFusedMaxRows; ++r) {
+      if (r == lane) p.inv[r * p.streams + s] = inv[r];
+    }
+  }
+  __syncthreads();
+  if (active && s == 0 && lane < p.n_rows) {
+    const int r = lane;
+    float total = 0.0f;
+    for (int t = 0; t < p.streams; ++t) total += partial[warp + t][r];
+    if (is_inject) {
+      p.inj[r * p.streams + out] = f2h(total);
+    } else {
+      const float scaled = round_h(total) * (1.0f / float(p.streams));
+      p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant__ HcMixParams p) {
   enter_dependent_grid();
   __shared__ float partial[kWarps][kHcFusedMaxRows];
@@ -167,25 +194,7 @@ __global__ void __launch_bounds__(kThreads) hc_down_kernel(const __grid_constant
     const float d = warp_sum(dot[r]);
     if (lane == 0) partial[warp][r] = d;
   }
-  if (blockIdx.x == 0 && slot == 0 && lane < p.n_rows) {
-#pragma unroll
-    for (int r = 0; r < kHcFusedMaxRows; ++r) {
-      if (r == lane) p.inv[r * p.streams + s] = inv[r];
-    }
-  }
-  __syncthreads();
-  // The output's first warp sums its streams' partial dots (stream order) for each row.
-  if (active && s == 0 && lane < p.n_rows) {
-    const int r = lane;
-    float total = 0.0f;
-    for (int t = 0; t < p.streams; ++t) total += partial[warp + t][r];
-    if (is_inject) {
-      p.inj[r * p.streams + out] = f2h(total);
-    } else {
-      const float scaled = round_h(total) * (1.0f / float(p.streams));
-      p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
-    }
-  }
+  finish_down(p, partial, inv, warp, lane, s, slot, out, active, is_inject);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -344,24 +353,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float d = warp_sum(dot[r]) * inv[r];
     if (lane == 0) partial[warp][r] = d;
   }
-  if (blockIdx.x == 0 && slot == 0 && lane < p.n_rows) {
-#pragma unroll
-    for (int r = 0; r < kHcFusedMaxRows; ++r) {
-      if (r == lane) p.inv[r * p.streams + s] = inv[r];
-    }
-  }
-  __syncthreads();
-  if (active && s == 0 && lane < p.n_rows) {
-    const int r = lane;
-    float total = 0.0f;
-    for (int t = 0; t < p.streams; ++t) total += partial[warp + t][r];
-    if (is_inject) {
-      p.inj[r * p.streams + out] = f2h(total);
-    } else {
-      const float scaled = round_h(total) * (1.0f / float(p.streams));
-      p.act[r * p.rank + out] = round_h(scaled / (1.0f + expf(-scaled)));
-    }
-  }
+  finish_down(p, partial, inv, warp, lane, s, slot, out, active, is_inject);
 }
 
 // kChunks: 16-byte chunks of an up row per lane (rank <= kChunks * 256).

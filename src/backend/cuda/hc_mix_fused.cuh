@@ -43,9 +43,8 @@ size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank)
 // that back into x, so the separate hc_inject launch is saved.
 // Which pair of kernels runs the mix: kWarpPerSlice (the measured default: launch 1 and 2 as
 // above) or kLoadFirst (every load issued before its first use, the norm and the dot in one pass
-// over x with the normalised stream kept in fp32 inside the dot; written 2026-12-07 after the
-// per-kernel profile showed the default's dependent-load chains, not yet run on a GPU: the
-// backend switches to it once HcMixFusedCuda and the step benchmark have run it).
+// over x with the normalised stream kept in fp32 inside the dot, so a warp waits for memory once
+// per pass instead of once per load; the backend uses it with E4KV_HC_MIX_KERNELS=load-first).
 enum class HcMixKernels { kWarpPerSlice, kLoadFirst };
 
 void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
