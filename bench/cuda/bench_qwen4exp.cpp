@@ -34,7 +34,9 @@
 // --calibration-context N: also time an FP16 prefill of N tokens with the calibration statistics
 // (Model::start_kv_statistics) off and on: the observer's overhead)
 // Environment: E4KV_BENCH_PROFILER_STEP set: one more eager decode step per cell between
-// cudaProfilerStart and cudaProfilerStop, for ncu (bench/profile_step_gpu.sh)
+// cudaProfilerStart and cudaProfilerStop, for ncu (bench/profile_step_gpu.sh);
+// E4KV_BENCH_PREFILL_PROFILE set: the last prefill chunk (up to kPrefillChunk tokens) of each
+// batch-1 cell profiled by section in place (where long prompts spend their time)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -97,6 +99,8 @@ struct Row {
   // One decode step profiled twice (StepProfiler::begin): isolated (each section's own device
   // time and the host's cost to issue it) and in place (the span each section took in a step).
   std::vector<ProfileSection> isolated, in_place;
+  // E4KV_BENCH_PREFILL_PROFILE: the first sequence's last prefill chunk, in place.
+  std::vector<ProfileSection> prefill_chunk;
 };
 
 // Device-to-device copy rate (bytes read per second: a copy reads and writes each byte once, so
@@ -187,11 +191,14 @@ double step_bytes(const SynthCheckpointOptions& o, int64_t context, KvCacheDtype
 }
 
 // Prefills one sequence (`salt` varies its ids) to `context` tokens in forwards of kPrefillChunk
-// tokens; returns the wall time.
+// tokens; returns the wall time. With `profiler`, the last chunk's forward is profiled in place
+// into *last_chunk (and the wall time includes the profiler's synchronisations).
 double prefill(Model& model, BlockAllocator& allocator, BlockTable& table, int32_t slot, int salt,
-               int64_t context, int64_t vocab) {
+               int64_t context, int64_t vocab, StepProfiler* profiler = nullptr,
+               std::vector<ProfileSection>* last_chunk = nullptr) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t begin = 0; begin < context; begin += kPrefillChunk) {
+    const bool profiled = profiler != nullptr && begin + kPrefillChunk >= context;
     const int64_t n = std::min(kPrefillChunk, context - begin);
     allocator.append(table, n);
     std::vector<int32_t> ids(static_cast<size_t>(n)), seq(static_cast<size_t>(n), 0),
@@ -203,8 +210,16 @@ double prefill(Model& model, BlockAllocator& allocator, BlockTable& table, int32
     const int32_t last = int32_t(n - 1);
     const ForwardBatch fb{ids, seq, pos, {&table}, std::span<const int32_t>(&last, 1),
                           std::span<const int32_t>(&slot, 1)};
+    if (profiled) {
+      model.set_step_profiler(profiler);
+      profiler->begin(/*isolate=*/false);
+    }
     Result<std::vector<float>> logits = model.forward(fb);
     if (!logits.ok()) die(logits.message());
+    if (profiled) {
+      *last_chunk = profiler->end();
+      model.set_step_profiler(nullptr);
+    }
   }
   return seconds_since(t0);
 }
@@ -285,11 +300,18 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
       held.push_back(std::move(seq).value());
     }
     std::vector<int32_t> lengths(size_t(cell.batch), 0);
-    // Prefill each sequence alone, in chunks.
+    // Prefill each sequence alone, in chunks; E4KV_BENCH_PREFILL_PROFILE: the last chunk of the
+    // first sequence of a batch-1 cell profiled by section in place.
     double prefill_s = 0;
+    Row row;
+    StepProfiler* prefill_profiler =
+        cell.batch == 1 && std::getenv("E4KV_BENCH_PREFILL_PROFILE") != nullptr
+            ? cuda_step_profiler(backend)
+            : nullptr;
     for (int s = 0; s < cell.batch; ++s) {
-      const double t = prefill(model, allocator, tables[size_t(s)], slots[size_t(s)], s,
-                               cell.context, vocab);
+      const double t =
+          prefill(model, allocator, tables[size_t(s)], slots[size_t(s)], s, cell.context, vocab,
+                  s == 0 ? prefill_profiler : nullptr, &row.prefill_chunk);
       if (s == 0) prefill_s = t;
       lengths[size_t(s)] = int32_t(cell.context);
     }
@@ -330,7 +352,6 @@ std::vector<Row> run_cache(const Checkpoint& ckpt, Backend& backend, KvCacheDtyp
       }
     }
     if (!graphs.active()) die(cat("a decode-step graph capture failed: ", graphs.capture_error()));
-    Row row;
     StepProfiler* profiler = cuda_step_profiler(backend);
     if (profiler == nullptr) die("the step profile needs the CUDA backend");
     model.set_step_profiler(profiler);
@@ -588,6 +609,8 @@ int main(int argc, char** argv) {
     json_sections(f, "isolated", r.isolated);
     std::fprintf(f, ", ");
     json_sections(f, "in_place", r.in_place);
+    std::fprintf(f, ", ");
+    json_sections(f, "prefill_chunk", r.prefill_chunk);
     std::fprintf(f, "}%s\n", i + 1 < rows.size() ? "," : "");
   }
   std::fprintf(f, "],\n\"calibration\": {\"context\": %lld, \"off_s\": %.4f, \"on_s\": %.4f}}\n",
@@ -610,6 +633,13 @@ int main(int argc, char** argv) {
         r.batch == 1 ? step_bytes_by_section(synth, r.context, dtype) : std::vector<SectionBytes>{};
     print_sections("isolated", r.isolated, bounds, rate);
     print_sections("in place", r.in_place, bounds, rate);
+    if (!r.prefill_chunk.empty()) {
+      const int64_t chunk = (r.context - 1) % kPrefillChunk + 1;
+      std::printf("  %s prefill, last chunk of %lld tokens (from %lld), in place\n",
+                  r.cache.c_str(), static_cast<long long>(chunk),
+                  static_cast<long long>(r.context - chunk));
+      print_sections("prefill chunk", r.prefill_chunk);
+    }
   }
   return 0;
 }
