@@ -28,5 +28,7 @@ if [ "$(left)" -gt 100 ]; then
   echo "=== profile done at $(($(date +%s) - T0)) s"
   head -30 "$OUT/step_kernels.txt" 2>/dev/null
 fi
-tar -C "$OUT" -czf /tmp/all.tgz . && mv /tmp/all.tgz "$OUT/all.tgz"
+# Only the archive stays in $OUT: a call brings back its first few files, by name.
+tar -C "$OUT" --exclude=all.tgz -czf /tmp/all.tgz . && find "$OUT" -mindepth 1 -delete &&
+  mv /tmp/all.tgz "$OUT/all.tgz"
 ls "$OUT"

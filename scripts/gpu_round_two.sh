@@ -55,5 +55,7 @@ if { [ "$PART" = all ] || [ "$PART" = prefill ]; } && [ "$(left)" -gt 90 ]; then
   grep -E "prefill|tok" "$OUT/prefill_profile.log" | tail -6
   sed -n '/prefill, last chunk/,$p' "$OUT/prefill_profile.log"
 fi
-tar -C "$OUT" --exclude=all.tgz -czf /tmp/all.tgz . && mv /tmp/all.tgz "$OUT/all.tgz"
+# Only the archive stays in $OUT: a call brings back its first few files, by name.
+tar -C "$OUT" --exclude=all.tgz -czf /tmp/all.tgz . && find "$OUT" -mindepth 1 -delete &&
+  mv /tmp/all.tgz "$OUT/all.tgz"
 ls "$OUT"

@@ -124,8 +124,8 @@ Status Backend::linear(const void* x, const LinearView& w, const void* bias, int
 }
 Status Backend::linear_quantized(const void*, const LinearView& w, const void*, int64_t, void*,
                                  DType) {
-  return Status::error(cat(name(), ": ", weight_format_name(w.format),
-                           " weights do not run on this backend"));
+  return Status::error(
+      cat(name(), ": ", weight_format_name(w.format), " weights do not run on this backend"));
 }
 Status Backend::moe_experts(const void* x, const LinearView& gate_up, const LinearView& down,
                             int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
@@ -141,9 +141,18 @@ Status Backend::moe_experts(const void* x, const LinearView& gate_up, const Line
                                top_k, out);
 }
 Status Backend::moe_local_ids(int32_t*, int64_t, int64_t, int64_t, int64_t) {
-  return Status::error(cat(name(), ": expert parallelism (moe_local_ids) does not run on this "
-                                   "backend yet"));
+  return Status::error(cat(name(),
+                           ": expert parallelism (moe_local_ids) does not run on this "
+                           "backend yet"));
 }
+Status Backend::moe_route_experts(const float* logits, bool norm_topk_prob, const void* x,
+                                  const LinearView& gate_up, const LinearView& down,
+                                  int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
+                                  float* weights, int64_t n_rows, int64_t top_k, void* out) {
+  E4KV_RETURN_IF_ERROR(moe_route(logits, n_rows, n_experts, top_k, norm_topk_prob, ids, weights));
+  return moe_experts(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out);
+}
+
 Status Backend::moe_experts_quantized(const void*, const LinearView& gate_up, const LinearView&,
                                       int64_t, int64_t, int64_t, const int32_t*, const float*,
                                       int64_t, int64_t, void*) {

@@ -81,6 +81,43 @@ std::vector<uint8_t> unpack_awq_transposed(const SafetensorsTensor& t, int64_t r
   return out;
 }
 
+// An AWQ-packed qweight [in, out / 8] int32 as the canonical W4 plane [out, in / 2]: byte k / 2 of
+// row n holds column k in its low nibble and k + 1 in its high one. Blocks of kBlock input rows,
+// so each output row receives a whole cache line per block and the source lines stay in L1 (the
+// published checkpoints' expert weights are tens of GB: this loop is most of their load time).
+void repack_awq_qweight(const SafetensorsTensor& t, int64_t in, int64_t out, std::byte* dst) {
+  constexpr int64_t kBlock = 128;
+  const int64_t packed_cols = out / 8;
+  const int64_t row_bytes = in / 2;
+  const std::byte* src = t.bytes.data();
+  for (int64_t k0 = 0; k0 < in; k0 += kBlock) {
+    const int64_t k1 = std::min(in, k0 + kBlock);
+    for (int64_t c = 0; c < packed_cols; ++c) {
+      std::byte* rows[8];
+      for (int i = 0; i < 8; ++i) rows[i] = dst + (c * 8 + kAwqOrder[i]) * row_bytes;
+      for (int64_t k = k0; k < k1; k += 2) {
+        const auto w0 = load_le<uint32_t>(src + (k * packed_cols + c) * 4);
+        const auto w1 = load_le<uint32_t>(src + ((k + 1) * packed_cols + c) * 4);
+        // Nibble i of w0 and of w1 side by side: byte i of the interleave is (w1_i << 4) | w0_i.
+        for (int i = 0; i < 8; ++i) {
+          rows[i][k / 2] =
+              std::byte(uint8_t(((w0 >> (4 * i)) & 0xFu) | (((w1 >> (4 * i)) & 0xFu) << 4)));
+        }
+      }
+    }
+  }
+}
+
+// A typed LinearWeight over its planes' buffers (data, scales, zeros, global; empty: none).
+LinearWeight typed_weight(LinearView v, BackendBuffer (&buffers)[4]) {
+  v.data = buffers[0].data();
+  v.scales = buffers[1].data();
+  v.zeros = buffers[2].empty() ? nullptr : buffers[2].data();
+  v.global = buffers[3].empty() ? nullptr : buffers[3].as<float>();
+  return LinearWeight(v, std::move(buffers[0]), std::move(buffers[1]), std::move(buffers[2]),
+                      std::move(buffers[3]));
+}
+
 float scalar_float(const SafetensorsTensor& t, int64_t i) {
   switch (t.dtype) {
     case DType::kF32:
@@ -115,10 +152,24 @@ struct WeightLoader::HostLinear {
     HostPlane* p[4] = {&data, &scales, &zeros, &global};
     return p[i];
   }
+  // Back to a default HostLinear, keeping the planes' capacity.
+  void reset() {
+    view = LinearView{};
+    dense_dtype = DType::kF32;
+    dense_tensor = nullptr;
+    for (int i = 0; i < 4; ++i) {
+      HostPlane& p = *planes(i);
+      p.bytes.clear();
+      p.row_bytes = 0;
+      p.entry_bytes = 1;
+      p.cols_per_entry = 1;
+    }
+  }
 };
 
 Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& module, int64_t out,
-                                                           int64_t in, std::string_view meaning) {
+                                                           int64_t in, std::string_view meaning,
+                                                           HostLinear* reuse) {
   const QuantConfig& q = ckpt_->config().quant;
   const std::string dir = ckpt_->dir().string();
   auto fail = [&](const std::string& tensor, const std::string& what) {
@@ -134,6 +185,10 @@ Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& mo
                             q.describe(), "; the checkpoint and its config.json disagree"));
   };
   HostLinear h;
+  if (reuse != nullptr) {
+    h = std::move(*reuse);
+    h.reset();
+  }
   h.view.out = out;
   h.view.in = in;
 
@@ -141,10 +196,9 @@ Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& mo
     if (q.method != QuantMethod::kAwq) return undeclared(module + ".qweight", "AWQ");
     const int64_t g = q.group_size;
     if (in % g != 0 || out % 8 != 0) {
-      return fail(module + ".qweight",
-                  cat("belongs to a [", out, ", ", in, "] projection (", meaning,
-                      "), which AWQ with group_size ", g, " cannot pack (in % ", g,
-                      " and out % 8 must be 0)"));
+      return fail(module + ".qweight", cat("belongs to a [", out, ", ", in, "] projection (",
+                                           meaning, "), which AWQ with group_size ", g,
+                                           " cannot pack (in % ", g, " and out % 8 must be 0)"));
     }
     E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* qw,
                           find(module + ".qweight", {in, out / 8}, meaning));
@@ -162,17 +216,10 @@ Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& mo
     }
     h.view.format = WeightFormat::kW4;
     h.view.group = g;
-    const std::vector<uint8_t> nibbles = unpack_awq_transposed(*qw, in, out);  // [out, in]
     h.data.row_bytes = in / 2;
     h.data.cols_per_entry = 2;
     h.data.bytes.resize(size_t(out * in / 2));
-    for (int64_t n = 0; n < out; ++n) {
-      for (int64_t k = 0; k < in; k += 2) {
-        const uint8_t lo = nibbles[size_t(n * in + k)];
-        const uint8_t hi = nibbles[size_t(n * in + k + 1)];
-        h.data.bytes[size_t(n * (in / 2) + k / 2)] = std::byte(uint8_t(lo | (hi << 4)));
-      }
-    }
+    repack_awq_qweight(*qw, in, out, h.data.bytes.data());
     const int64_t groups = in / g;
     h.scales.row_bytes = groups * 2;
     h.scales.entry_bytes = 2;
@@ -243,8 +290,8 @@ Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& mo
     const int64_t bi = q.group_size;
     const int64_t block_rows = (out + bo - 1) / bo;
     const int64_t block_cols = (in + bi - 1) / bi;
-    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* si, find(module + ".weight_scale_inv",
-                                                            {block_rows, block_cols}, meaning));
+    E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* si,
+                          find(module + ".weight_scale_inv", {block_rows, block_cols}, meaning));
     if (si->dtype != DType::kF32 && si->dtype != DType::kBF16 && si->dtype != DType::kF16) {
       return fail(si->name, cat("is ", dtype_name(si->dtype), "; block scales are F32 (or BF16)"));
     }
@@ -272,8 +319,7 @@ Result<WeightLoader::HostLinear> WeightLoader::read_linear(const std::string& mo
     return h;
   }
   if (w->dtype != DType::kF32 && w->dtype != DType::kF16 && w->dtype != DType::kBF16) {
-    return fail(w->name, cat("is ", dtype_name(w->dtype),
-                             "; dense weights are F32, F16 or BF16"));
+    return fail(w->name, cat("is ", dtype_name(w->dtype), "; dense weights are F32, F16 or BF16"));
   }
   h.view.format = WeightFormat::kDense;
   h.dense_dtype = w->dtype;
@@ -287,9 +333,9 @@ Result<LinearWeight> WeightLoader::upload_linear(const std::string& module, Host
   LinearView& v = h.view;
   if (!backend_->runs_weight_format(v.format)) {
     return Status::error(cat(ckpt_->dir().string(), ": ", module, " holds ",
-                             weight_format_name(v.format), " weights, which the ",
-                             backend_->name(), " backend does not run yet; run on the CPU "
-                                               "backend or use an FP16/BF16 checkpoint"));
+                             weight_format_name(v.format), " weights, which the ", backend_->name(),
+                             " backend does not run yet; run on the CPU "
+                             "backend or use an FP16/BF16 checkpoint"));
   }
   if (v.format == WeightFormat::kDense) {
     SafetensorsTensor t;
@@ -312,12 +358,7 @@ Result<LinearWeight> WeightLoader::upload_linear(const std::string& module, Host
     E4KV_ASSIGN_OR_RETURN(buffers[i], backend_->allocate(plane.bytes.size()));
     backend_->copy_from_host(buffers[i].data(), plane.bytes.data(), plane.bytes.size());
   }
-  v.data = buffers[0].data();
-  v.scales = buffers[1].data();
-  v.zeros = buffers[2].empty() ? nullptr : buffers[2].data();
-  v.global = buffers[3].empty() ? nullptr : buffers[3].as<float>();
-  return LinearWeight(v, std::move(buffers[0]), std::move(buffers[1]), std::move(buffers[2]),
-                      std::move(buffers[3]));
+  return typed_weight(v, buffers);
 }
 
 Result<LinearWeight> WeightLoader::load_linear(const std::string& module, int64_t out, int64_t in,
@@ -338,8 +379,9 @@ Result<LinearWeight> WeightLoader::load_linear(const std::string& module, int64_
     if (c0 % unit != 0 || (c1 % unit != 0 && c1 != in)) {
       return Status::error(cat(ckpt_->dir().string(), ": ", module, ": columns [", c0, ", ", c1,
                                ") do not fall on the ", weight_format_name(h.view.format),
-                               " groups of ", unit, " columns; choose a split whose parts are "
-                                                    "multiples of the group size"));
+                               " groups of ", unit,
+                               " columns; choose a split whose parts are "
+                               "multiples of the group size"));
     }
     h.materialize_dense();
     for (int i = 0; i < 3; ++i) h.planes(i)->take_columns(c0, c1);
@@ -381,26 +423,67 @@ Result<LinearWeight> WeightLoader::load_linear_concat(const std::vector<std::str
                                                       int64_t out_each, int64_t in,
                                                       std::string_view meaning) {
   E4KV_ASSERT(!modules.empty(), "load_linear_concat: nothing to load");
-  HostLinear all;
-  for (size_t i = 0; i < modules.size(); ++i) {
-    E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(modules[i], out_each, in, meaning));
+  E4KV_ASSIGN_OR_RETURN(HostLinear h, read_linear(modules[0], out_each, in, meaning));
+  const WeightFormat format = h.view.format;
+  const int64_t group = h.view.group;
+  const DType dense_dtype = h.dense_dtype;
+  const bool has_zeros = !h.zeros.empty();
+  // Module i's host planes, checked against module 0's format.
+  auto check = [&](size_t i, const HostLinear& m) -> Status {
+    if (m.view.format == format && m.view.group == group && m.dense_dtype == dense_dtype &&
+        m.zeros.empty() == !has_zeros) {
+      return ok_status();
+    }
+    return Status::error(cat(ckpt_->dir().string(), ": ", modules[i], " is stored as ",
+                             weight_format_name(m.view.format), " but ", modules[0], " as ",
+                             weight_format_name(format),
+                             "; the runtime stacks them into one weight, so they must match"));
+  };
+  if (format == WeightFormat::kDense) {
+    // Dense modules are converted to the backend's dtype as one tensor: stacked on the host.
     h.materialize_dense();
-    if (i == 0) {
-      all = std::move(h);
-      continue;
+    h.data.bytes.reserve(h.data.bytes.size() * modules.size());
+    for (size_t i = 1; i < modules.size(); ++i) {
+      E4KV_ASSIGN_OR_RETURN(HostLinear m, read_linear(modules[i], out_each, in, meaning));
+      E4KV_RETURN_IF_ERROR(check(i, m));
+      m.materialize_dense();
+      h.data.append(m.data);
+      h.view.out += out_each;
     }
-    const bool same = h.view.format == all.view.format && h.view.group == all.view.group &&
-                      h.dense_dtype == all.dense_dtype && h.zeros.empty() == all.zeros.empty();
-    if (!same) {
-      return Status::error(cat(ckpt_->dir().string(), ": ", modules[i], " is stored as ",
-                               weight_format_name(h.view.format), " but ", modules[0], " as ",
-                               weight_format_name(all.view.format),
-                               "; the runtime stacks them into one weight, so they must match"));
-    }
-    for (int p = 0; p < 4; ++p) all.planes(p)->append(*h.planes(p));
-    all.view.out += out_each;
+    return upload_linear(modules[0], h);
   }
-  return upload_linear(modules[0], all);
+  // Quantized modules (the routed experts: hundreds of modules a layer, tens of GB a model) go
+  // to the backend one by one, each plane at its module's offset of one buffer, so no host copy
+  // of the whole stack is built; module i is read into module i - 1's host buffers.
+  if (!backend_->runs_weight_format(format)) return upload_linear(modules[0], h);
+  const auto n = int64_t(modules.size());
+  BackendBuffer buffers[4];
+  size_t plane_bytes[4] = {};
+  for (int p = 0; p < 4; ++p) {
+    plane_bytes[p] = h.planes(p)->bytes.size();
+    if (plane_bytes[p] == 0) continue;
+    E4KV_ASSIGN_OR_RETURN(buffers[p], backend_->allocate(plane_bytes[p] * size_t(n)));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) {
+      E4KV_ASSIGN_OR_RETURN(h, read_linear(modules[size_t(i)], out_each, in, meaning, &h));
+      E4KV_RETURN_IF_ERROR(check(size_t(i), h));
+    }
+    for (int p = 0; p < 4; ++p) {
+      const HostPlane& plane = *h.planes(p);
+      // Equal by construction: every module was found with the same [out_each, in] shape.
+      E4KV_ASSERT(plane.bytes.size() == plane_bytes[p],
+                  cat("load_linear_concat: ", modules[size_t(i)], ": plane ", p, " is ",
+                      plane.bytes.size(), " bytes, module 0's ", plane_bytes[p]));
+      if (plane_bytes[p] == 0) continue;
+      backend_->copy_from_host(
+          static_cast<std::byte*>(buffers[p].data()) + plane_bytes[p] * size_t(i),
+          plane.bytes.data(), plane_bytes[p]);
+    }
+  }
+  LinearView v = h.view;
+  v.out = out_each * n;
+  return typed_weight(v, buffers);
 }
 
 namespace {
@@ -416,8 +499,8 @@ std::vector<RowRange> part_rows(const LinearPart& part) {
 }
 
 bool all_rows(const LinearPart& part) {
-  return part.rows.empty() || (part.rows.size() == 1 && part.rows[0].begin == 0 &&
-                               part.rows[0].count == part.out);
+  return part.rows.empty() ||
+         (part.rows.size() == 1 && part.rows[0].begin == 0 && part.rows[0].count == part.out);
 }
 
 }  // namespace

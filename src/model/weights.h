@@ -101,8 +101,8 @@ class WeightLoader {
                                               const std::vector<int64_t>& order);
   // The modules' weights, each [out_each, in] and of one format, stacked along the output rows
   // (per-expert projections into the grouped layout the MoE ops read).
-  Result<LinearWeight> load_linear_concat(const std::vector<std::string>& modules,
-                                          int64_t out_each, int64_t in, std::string_view meaning);
+  Result<LinearWeight> load_linear_concat(const std::vector<std::string>& modules, int64_t out_each,
+                                          int64_t in, std::string_view meaning);
   // The parts' weights, each of logical shape [part.out, in] cut to part.rows, in order: each
   // run of consecutive parts of one format (and group, zero points, dense dtype) stacked into
   // one weight (its rows the parts' rows, one part after another). A checkpoint that left some
@@ -135,8 +135,10 @@ class WeightLoader {
   std::set<std::string, std::less<>> used_;
 
   struct HostLinear;
+  // reuse: a HostLinear whose buffers (their capacity) the result takes over, so that loading
+  // many modules of one shape allocates (and faults in) their host memory once.
   Result<HostLinear> read_linear(const std::string& module, int64_t out, int64_t in,
-                                 std::string_view meaning);
+                                 std::string_view meaning, HostLinear* reuse = nullptr);
   Result<LinearWeight> upload_linear(const std::string& module, HostLinear& host);
 };
 

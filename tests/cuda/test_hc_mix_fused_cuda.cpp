@@ -137,7 +137,7 @@ TEST(HcMixFusedCuda, EqualsTheComposedOps) {
           SCOPED_TRACE(kernels == cuda::HcMixKernels::kLoadFirst ? "load-first kernels"
                                                                  : "warp-per-slice kernels");
           const BackendBuffer x_got = upload(b, x_host);
-          if (kernels == cuda::HcMixKernels::kWarpPerSlice) {  // the backend's choice
+          if (kernels == cuda::HcMixKernels::kLoadFirst) {  // the backend's choice
             Result<bool> fused = b.hc_mix_fused(
                 x_got.data(), norm.data(), down.data(), up.data(),
                 with_inject ? inject.data() : nullptr, n, shape.streams, shape.hidden, shape.rank,

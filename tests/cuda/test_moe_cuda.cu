@@ -545,6 +545,60 @@ TEST(MoeExpertsCuda, RouterThenExpertsDirectAndInAGraph) {
   E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// moe_route_experts_f16 (the router inside the grouping launch for a decode step, its own launch
+// otherwise) gives moe_route_f32 then moe_experts_f16's ids, weights and output bit for bit:
+// 1, 3 and 8 rows take the fused launch, 9 rows and a workspace of fewer rows than the step do
+// not.
+TEST(MoeExpertsCuda, RouteInsideTheGroupingEqualsRouteThenExperts) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const ExpertsCase& c : {ExpertsCase{1, 512, 256, 128, 10, Routing::kUniform, 61},
+                               ExpertsCase{3, 64, 256, 128, 8, Routing::kUniform, 62},
+                               ExpertsCase{8, 512, 128, 64, 10, Routing::kUniform, 63},
+                               ExpertsCase{9, 64, 128, 64, 4, Routing::kUniform, 64},
+                               ExpertsCase{6, 64, 128, 64, 4, Routing::kUniform, 65, 2}}) {
+    SCOPED_TRACE(describe(c));
+    const ExpertsData d = make_experts_data(c);
+    std::vector<float> logits(size_t(c.n_rows * c.n_experts));
+    std::mt19937 rng(c.seed);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    for (float& v : logits) v = normal(rng);
+    DeviceBuffer<float> d_logits(logits);
+    DeviceBuffer<uint16_t> x(d.x);
+    DeviceBuffer<uint16_t> gate_up(d.gate_up);
+    DeviceBuffer<uint16_t> down(d.down);
+    const int64_t ws_rows = c.workspace_rows > 0 ? c.workspace_rows : c.n_rows;
+    const size_t ws_bytes =
+        moe_experts_workspace_bytes(ws_rows, c.top_k, c.n_experts, c.hidden, c.inter);
+    DeviceBuffer<unsigned char> workspace(ws_bytes);
+    const size_t pairs = size_t(c.n_rows * c.top_k);
+    DeviceBuffer<int32_t> ids_a(pairs), ids_b(pairs);
+    DeviceBuffer<float> w_a(pairs), w_b(pairs);
+    DeviceBuffer<uint16_t> out_a(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
+    DeviceBuffer<uint16_t> out_b(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
+    const Status routed = moe_route_f32(d_logits.ptr, c.n_rows, c.n_experts, c.top_k, true,
+                                        ids_a.ptr, w_a.ptr, nullptr);
+    ASSERT_TRUE(routed.ok()) << routed.message();
+    const Status separate =
+        moe_experts_f16(x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter, ids_a.ptr,
+                        w_a.ptr, c.n_rows, c.top_k, out_a.ptr, workspace.ptr, ws_bytes, nullptr);
+    ASSERT_TRUE(separate.ok()) << separate.message();
+    const Status fused = moe_route_experts_f16(
+        d_logits.ptr, true, x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter, ids_b.ptr,
+        w_b.ptr, c.n_rows, c.top_k, out_b.ptr, workspace.ptr, ws_bytes, nullptr);
+    ASSERT_TRUE(fused.ok()) << fused.message();
+    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(ids_b.to_host(), ids_a.to_host());
+    EXPECT_EQ(w_b.to_host(), w_a.to_host());
+    const std::vector<uint16_t> got = out_b.to_host();
+    EXPECT_EQ(got, out_a.to_host());
+    // And the CPU reference on those routes (the separate path's own test bounds).
+    Routes routes;
+    routes.ids = ids_a.to_host();
+    routes.weights = w_a.to_host();
+    check_experts(c, d, routes, widen(got), cpu_experts(c, d, routes));
+  }
+}
+
 TEST(MoeExpertsCuda, RejectsUnsupportedInputs) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const int64_t hidden = 64;

@@ -17,13 +17,14 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/half.h"
+#include "core/json.h"
 #include "engine/generate.h"
 #include "io/checkpoint.h"
+#include "io/safetensors.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "quant/dequantize.h"
 #include "testing/compare.h"
-#include "core/json.h"
 #include "testing/files.h"
 #include "testing/model_runs.h"
 
@@ -133,11 +134,14 @@ TEST(QuantizedCheckpoint, SlicesAndRowBlocksAreThePartsOfTheWhole) {
     Result<LinearWeight> r = loader.load_linear(c.module, out, in, "test", rows);
     ASSERT_TRUE(r.ok()) << r.message();
     EXPECT_EQ(r->out(), 16);
-    EXPECT_EQ(check(r->view(), [](int64_t x) { return x + 8; }, [](int64_t k) { return k; }), 0);
+    EXPECT_EQ(check(
+                  r->view(), [](int64_t x) { return x + 8; }, [](int64_t k) { return k; }),
+              0);
     // The same through a view of the whole weight.
     Result<LinearWeight> whole = loader.load_linear(c.module, out, in, "test");
     ASSERT_TRUE(whole.ok()) << whole.message();
-    EXPECT_EQ(check(whole->rows(8, 16), [](int64_t x) { return x + 8; }, [](int64_t k) { return k; }),
+    EXPECT_EQ(check(
+                  whole->rows(8, 16), [](int64_t x) { return x + 8; }, [](int64_t k) { return k; }),
               0);
     // Input columns.
     LinearSlice cols{LinearSlice::Dim::kColumns, c.col_begin, c.col_count};
@@ -145,7 +149,9 @@ TEST(QuantizedCheckpoint, SlicesAndRowBlocksAreThePartsOfTheWhole) {
     ASSERT_TRUE(cw.ok()) << cw.message();
     EXPECT_EQ(cw->in(), c.col_count);
     const int64_t c0 = c.col_begin;
-    EXPECT_EQ(check(cw->view(), [](int64_t x) { return x; }, [&](int64_t k) { return k + c0; }), 0);
+    EXPECT_EQ(check(
+                  cw->view(), [](int64_t x) { return x; }, [&](int64_t k) { return k + c0; }),
+              0);
     LinearSlice bad{LinearSlice::Dim::kColumns, c.bad_col_begin, in - c.bad_col_begin};
     Result<LinearWeight> refused = loader.load_linear(c.module, out, in, "test", bad);
     ASSERT_FALSE(refused.ok());
@@ -155,9 +161,9 @@ TEST(QuantizedCheckpoint, SlicesAndRowBlocksAreThePartsOfTheWhole) {
     for (int64_t b = out / 8 - 1; b >= 0; --b) order.push_back(b);
     Result<LinearWeight> rb = loader.load_linear_row_blocks(c.module, out, in, "test", 8, order);
     ASSERT_TRUE(rb.ok()) << rb.message();
-    EXPECT_EQ(check(rb->view(),
-                    [&](int64_t x) { return order[size_t(x / 8)] * 8 + x % 8; },
-                    [](int64_t k) { return k; }),
+    EXPECT_EQ(check(
+                  rb->view(), [&](int64_t x) { return order[size_t(x / 8)] * 8 + x % 8; },
+                  [](int64_t k) { return k; }),
               0);
   }
 }
@@ -200,7 +206,8 @@ TEST(QuantizedCheckpoint, MatchesTransformersOnTheDequantizedCheckpoint) {
     const fs::path ref_path = kQuantDir / name / "reference.json";
     if (!fs::exists(ref_path)) continue;
     SCOPED_TRACE(name);
-    Result<nlohmann::json> ref = parse_json(testing_support::read_text(ref_path), ref_path.string());
+    Result<nlohmann::json> ref =
+        parse_json(testing_support::read_text(ref_path), ref_path.string());
     ASSERT_TRUE(ref.ok()) << ref.message();
     const std::vector<int32_t> ids = (*ref)["input_ids"].get<std::vector<int32_t>>();
     const std::vector<std::vector<double>> rows =
@@ -229,7 +236,8 @@ TEST(QuantizedCheckpoint, TensorsAndConfigMustAgree) {
   const fs::path src = kQuantDir / "llama_awq_g128" / "quantized";
   const fs::path dir = tmp.path() / "undeclared";
   fs::create_directories(dir);
-  for (const auto& entry : fs::directory_iterator(src)) fs::copy(entry.path(), dir / entry.path().filename());
+  for (const auto& entry : fs::directory_iterator(src))
+    fs::copy(entry.path(), dir / entry.path().filename());
   // The same config without its quantization_config.
   std::string config = testing_support::read_text(dir / "config.json");
   const size_t at = config.find("\"quantization_config\"");
@@ -251,6 +259,47 @@ TEST(QuantizedCheckpoint, TensorsAndConfigMustAgree) {
                                  "quantization_config is none"),
             std::string::npos)
       << model.message();
+}
+
+// The routed experts of a layer are stacked into one weight as they load (module by module into
+// one buffer): an expert stored in another format than expert 0 is refused, naming both.
+TEST(QuantizedCheckpoint, ExpertsOfOneLayerMustShareAFormat) {
+  testing_support::TempDir tmp;
+  const fs::path src = kQuantDir / "qwen4exp_awq_g32" / "quantized";
+  const fs::path dir = tmp.path() / "mixed";
+  fs::create_directories(dir);
+  for (const auto& entry : fs::directory_iterator(src)) {
+    if (entry.path().filename() != "model.safetensors") {
+      fs::copy(entry.path(), dir / entry.path().filename());
+    }
+  }
+  Result<SafetensorsFile> file = SafetensorsFile::open(src / "model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.message();
+  // Expert 1's gate_proj of layer 0 as a dense FP16 weight [out, in] instead of AWQ's three
+  // tensors (qweight is [in, out / 8]); zeros will do, the load stops before any math.
+  const std::string module = "model.layers.0.mlp.experts.1.gate_proj";
+  const SafetensorsTensor* qweight = file->find(module + ".qweight");
+  ASSERT_NE(qweight, nullptr);
+  const int64_t in = qweight->shape[0];
+  const int64_t out = qweight->shape[1] * 8;
+  const std::vector<std::byte> dense(size_t(in * out) * 2, std::byte{0});
+  std::vector<SafetensorsWriteTensor> tensors;
+  for (const SafetensorsTensor& t : file->tensors()) {
+    if (t.name.starts_with(module + ".")) continue;
+    tensors.push_back({t.name, t.dtype, t.shape, t.bytes});
+  }
+  tensors.push_back({module + ".weight", DType::kF16, {out, in}, dense});
+  ASSERT_TRUE(write_safetensors(dir / "model.safetensors", tensors).ok());
+  Result<Checkpoint> ckpt = Checkpoint::open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+  auto backend = make_cpu_backend();
+  ModelOptions options;
+  options.n_blocks = 4;
+  options.block_size = 16;
+  Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.message().find(module + " is stored as"), std::string::npos) << model.message();
+  EXPECT_NE(model.message().find("must match"), std::string::npos) << model.message();
 }
 
 }  // namespace

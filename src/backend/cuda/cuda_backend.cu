@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -105,8 +106,8 @@ class CudaBackend final : public Backend, public StepProfiler {
   explicit CudaBackend(const CudaBackendOptions& options)
       : device_(options.device),
         attention_(options.device, options.force_software_e4m3),
-        hc_mix_kernels_(options.hc_mix_load_first ? cuda::HcMixKernels::kLoadFirst
-                                                  : cuda::HcMixKernels::kWarpPerSlice) {
+        hc_mix_kernels_(options.hc_mix_warp_per_slice ? cuda::HcMixKernels::kWarpPerSlice
+                                                      : cuda::HcMixKernels::kLoadFirst) {
     E4KV_CUDA_CHECK(cudaSetDevice(device_));
     E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     E4KV_CUBLAS_CHECK(cublasCreate(&cublas_));
@@ -250,6 +251,14 @@ class CudaBackend final : public Backend, public StepProfiler {
         tensor.dtype != DType::kBF16) {
       return Status::error(cat("tensor ", tensor.name, " has dtype ", dtype_name(tensor.dtype),
                                "; the dense runtime loads F32, F16 or BF16 weights"));
+    }
+    if (tensor.dtype == DType::kF16 && std::endian::native == std::endian::little) {
+      // Already the device's format: straight from the checkpoint's mapping (a pageable copy the
+      // driver stages; no host conversion pass over what are often tens of GB).
+      E4KV_ASSIGN_OR_RETURN(BackendBuffer buffer, allocate(size_t(n) * sizeof(uint16_t)));
+      copy_from_host(buffer.data(), tensor.bytes.data(), size_t(n) * sizeof(uint16_t));
+      Result<BackendBuffer> result(std::move(buffer));
+      return result;
     }
     std::vector<uint16_t> host(static_cast<size_t>(n));
     const std::byte* in = tensor.bytes.data();
@@ -556,6 +565,24 @@ class CudaBackend final : public Backend, public StepProfiler {
     return cuda::moe_experts_f16(h(x), h(gate_up), h(down), n_experts, hidden, inter, ids, weights,
                                  n_rows, top_k, h(out), moe_workspace_, moe_workspace_bytes_,
                                  stream_);
+  }
+  Status moe_route_experts(const float* logits, bool norm_topk_prob, const void* x,
+                           const LinearView& gate_up, const LinearView& down, int64_t n_experts,
+                           int64_t hidden, int64_t inter, int32_t* ids, float* weights,
+                           int64_t n_rows, int64_t top_k, void* out) override {
+    if (gate_up.format != WeightFormat::kDense || down.format != WeightFormat::kDense) {
+      return Backend::moe_route_experts(logits, norm_topk_prob, x, gate_up, down, n_experts, hidden,
+                                        inter, ids, weights, n_rows, top_k, out);
+    }
+    E4KV_ASSERT(gate_up.out == n_experts * 2 * inter && gate_up.in == hidden &&
+                    down.out == n_experts * hidden && down.in == inter,
+                "moe_route_experts: the expert weights do not have the stated shape");
+    const size_t bytes = cuda::moe_experts_workspace_bytes(
+        std::min<int64_t>(n_rows, kMoeRowsPerPass), top_k, n_experts, hidden, inter);
+    E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
+    return cuda::moe_route_experts_f16(logits, norm_topk_prob, h(x), h(gate_up.data), h(down.data),
+                                       n_experts, hidden, inter, ids, weights, n_rows, top_k,
+                                       h(out), moe_workspace_, moe_workspace_bytes_, stream_);
   }
   Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
                                int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
@@ -885,9 +912,9 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
   CudaBackendOptions resolved = options;
   if (const char* kernels = std::getenv("E4KV_HC_MIX_KERNELS"); kernels != nullptr) {
     const std::string_view v(kernels);
-    if (v == "load-first") {
-      resolved.hc_mix_load_first = true;
-    } else if (v != "warp-per-slice" && !v.empty()) {
+    if (v == "warp-per-slice") {
+      resolved.hc_mix_warp_per_slice = true;
+    } else if (v != "load-first" && !v.empty()) {
       return Status::error(
           cat("E4KV_HC_MIX_KERNELS=", v, ": expected load-first or warp-per-slice (or unset)"));
     }

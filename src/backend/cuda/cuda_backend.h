@@ -20,10 +20,11 @@ struct CudaBackendOptions {
   // Use the software E4M3 decoder even where the native conversion exists (sm_89+), as
   // E4KV_FORCE_SOFTWARE_E4M3=1 does.
   bool force_software_e4m3 = false;
-  // The hyper-connection mix's load-first kernels (cuda::HcMixKernels::kLoadFirst) instead of the
-  // default pair, as E4KV_HC_MIX_KERNELS=load-first does (for A/B benchmarks; the default until
-  // the load-first pair has been measured).
-  bool hc_mix_load_first = false;
+  // The hyper-connection mix's earlier warp-per-slice kernels (cuda::HcMixKernels::kWarpPerSlice)
+  // instead of the load-first pair, as E4KV_HC_MIX_KERNELS=warp-per-slice does (for A/B
+  // benchmarks: the load-first pair took the batch-1 step of the Qwen4Exp benchmark checkpoint
+  // from 8.06 to 7.31 ms on an H100).
+  bool hc_mix_warp_per_slice = false;
 };
 
 // Errors: no CUDA device, `device` out of range, E4KV_HC_MIX_KERNELS set to something other than

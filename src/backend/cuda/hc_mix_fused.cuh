@@ -41,16 +41,18 @@ size_t hc_mix_fused_scratch_bytes(int64_t n_rows, int64_t streams, int64_t rank)
 // inj): the previous block's injection, not yet applied. Both launches read x as hc_inject would
 // leave it (FP16(x + fl(2 sigmoid(inj / S) y)), hybrid_ops.cu's operations) and launch 2 writes
 // that back into x, so the separate hc_inject launch is saved.
-// Which pair of kernels runs the mix: kWarpPerSlice (the measured default: launch 1 and 2 as
-// above) or kLoadFirst (every load issued before its first use, the norm and the dot in one pass
-// over x with the normalised stream kept in fp32 inside the dot, so a warp waits for memory once
-// per pass instead of once per load; the backend uses it with E4KV_HC_MIX_KERNELS=load-first).
+// Which pair of kernels runs the mix: kLoadFirst (the default: every load issued before its first
+// use, the norm and the dot in one pass over x with the normalised stream kept in fp32 inside the
+// dot, so a warp waits for memory once per pass instead of once per load; on an H100 it took the
+// Qwen4Exp benchmark checkpoint's hyper-connections from 2.74 to 2.06 ms a batch-1 step and from
+// 11.9 to 6.8 ms at batch 8) or kWarpPerSlice (launch 1 and 2 as above; the backend uses it with
+// E4KV_HC_MIX_KERNELS=warp-per-slice, for A/B runs).
 enum class HcMixKernels { kWarpPerSlice, kLoadFirst };
 
 void hc_mix_fused_f16(uint16_t* x, const uint16_t* norm_weight, const uint16_t* down,
                       const uint16_t* up, const uint16_t* inject, int64_t n_rows, int64_t streams,
                       int64_t hidden, int64_t rank, float eps, uint16_t* mix, uint16_t* inj,
                       void* scratch, const uint16_t* pending_y, const uint16_t* pending_inj,
-                      cudaStream_t stream, HcMixKernels kernels = HcMixKernels::kWarpPerSlice);
+                      cudaStream_t stream, HcMixKernels kernels = HcMixKernels::kLoadFirst);
 
 }  // namespace e4kv::cuda

@@ -83,19 +83,12 @@ __device__ __forceinline__ bool route_before(float key_a, int id_a, float key_b,
   return key_a > key_b || (key_a == key_b && id_a < id_b);
 }
 
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_kernel(const __grid_constant__ RouteParams p) {
-  enter_dependent_grid();
-  extern __shared__ float route_smem[];  // [kRouteWarps, n_experts]
-  const int lane = int(threadIdx.x) & 31;
-  const int warp = int(threadIdx.x) >> 5;
-  const int64_t row = int64_t(blockIdx.x) * kRouteWarps + warp;
-  if (row >= p.n_rows) return;
+// Routes `row` (< p.n_rows) with one warp; prob: n_experts floats of the warp's shared memory.
+__device__ __forceinline__ void route_row(const RouteParams& p, int64_t row, float* prob,
+                                          int lane) {
   const int n = p.n_experts;
-  float* prob = route_smem + warp * n;
   const uint16_t* logits = p.logits != nullptr ? p.logits + row * n : nullptr;
   const float* logits_f32 = p.logits_f32 != nullptr ? p.logits_f32 + row * n : nullptr;
-
   float row_max = -INFINITY;
   for (int e = lane; e < n; e += 32) {
     const float v = logits_f32 != nullptr ? logits_f32[e] : h2f(logits[e]);
@@ -156,6 +149,17 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
 }
 
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const __grid_constant__ RouteParams p) {
+  enter_dependent_grid();
+  extern __shared__ float route_smem[];  // [kRouteWarps, n_experts]
+  const int lane = int(threadIdx.x) & 31;
+  const int warp = int(threadIdx.x) >> 5;
+  const int64_t row = int64_t(blockIdx.x) * kRouteWarps + warp;
+  if (row >= p.n_rows) return;
+  route_row(p, row, route_smem + warp * p.n_experts, lane);
+}
+
 // ---- grouping ----------------------------------------------------------------------------------
 
 constexpr int kGroupThreads = 1024;
@@ -170,7 +174,13 @@ struct GroupParams {
   int32_t* n_tiles;   // [1]
   int32_t* tiles;     // [n_tiles, 2]: (expert, first row of the tile within the group)
   int32_t* perm;      // [offsets[n_experts]]: pair indices grouped by expert, increasing within
+  // kRoute: the router first, one warp per row (route.n_rows <= kRouteGroupMaxRows), writing the
+  // ids this kernel then groups (route.ids == ids).
+  RouteParams route;
 };
+
+// Rows the group kernel routes itself (its prologue's shared memory: rows x n_experts floats).
+constexpr int kRouteGroupMaxRows = 8;
 
 // Inclusive warp scan of two values at once.
 __device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {
@@ -184,9 +194,20 @@ __device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {
   }
 }
 
+template <bool kRoute>
 __global__ void __launch_bounds__(kGroupThreads)
     moe_group_kernel(const __grid_constant__ GroupParams p) {
   enter_dependent_grid();
+  if constexpr (kRoute) {
+    // The router of a decode step in the same launch: warp w routes row w; its global writes are
+    // visible to the whole CTA after the barrier.
+    extern __shared__ float route_prob[];  // [route.n_rows, n_experts]
+    const int warp = int(threadIdx.x) >> 5;
+    if (warp < p.route.n_rows) {
+      route_row(p.route, warp, route_prob + warp * p.route.n_experts, int(threadIdx.x) & 31);
+    }
+    __syncthreads();
+  }
   __shared__ int32_t s_count[kGroupThreads];  // per expert: the count, then the next free slot
   __shared__ int32_t s_tile_start[kGroupThreads + 1];  // per expert: its first tile; the total
   __shared__ int32_t s_warp_total[2][32];
@@ -800,28 +821,39 @@ void launch_gemms(const GemmParams& base, const uint16_t* gate_up_w, const uint1
 
 namespace {
 
-Status moe_route_any(const uint16_t* logits, const float* logits_f32, int64_t n_rows,
-                     int64_t n_experts, int64_t top_k, bool norm_topk_prob, int32_t* ids,
-                     float* weights, cudaStream_t stream) {
+// The router's checks and parameters (n_rows > 0).
+Status route_params(const uint16_t* logits, const float* logits_f32, int64_t n_rows,
+                    int64_t n_experts, int64_t top_k, bool norm_topk_prob, int32_t* ids,
+                    float* weights, RouteParams* p) {
   if (n_rows < 0 || n_experts < 1 || n_experts > kMoeMaxExperts || top_k < 1 ||
       top_k > std::min(n_experts, kMoeMaxTopK)) {
     return Status::error(cat("cuda moe_route: unsupported shape n_rows=", n_rows, " n_experts=",
                              n_experts, " top_k=", top_k, " (need n_experts <= ", kMoeMaxExperts,
                              ", 1 <= top_k <= min(n_experts, ", kMoeMaxTopK, "))"));
   }
-  if (n_rows == 0) return ok_status();
-  if ((logits == nullptr && logits_f32 == nullptr) || ids == nullptr || weights == nullptr) {
+  if (n_rows > 0 &&
+      ((logits == nullptr && logits_f32 == nullptr) || ids == nullptr || weights == nullptr)) {
     return Status::error("cuda moe_route: null logits, ids or weights");
   }
-  RouteParams p{};
-  p.logits = logits;
-  p.logits_f32 = logits_f32;
-  p.n_rows = n_rows;
-  p.n_experts = int32_t(n_experts);
-  p.top_k = int32_t(top_k);
-  p.norm_topk_prob = norm_topk_prob;
-  p.ids = ids;
-  p.weights = weights;
+  *p = RouteParams{};
+  p->logits = logits;
+  p->logits_f32 = logits_f32;
+  p->n_rows = n_rows;
+  p->n_experts = int32_t(n_experts);
+  p->top_k = int32_t(top_k);
+  p->norm_topk_prob = norm_topk_prob;
+  p->ids = ids;
+  p->weights = weights;
+  return ok_status();
+}
+
+Status moe_route_any(const uint16_t* logits, const float* logits_f32, int64_t n_rows,
+                     int64_t n_experts, int64_t top_k, bool norm_topk_prob, int32_t* ids,
+                     float* weights, cudaStream_t stream) {
+  RouteParams p;
+  E4KV_RETURN_IF_ERROR(
+      route_params(logits, logits_f32, n_rows, n_experts, top_k, norm_topk_prob, ids, weights, &p));
+  if (n_rows == 0) return ok_status();
   const auto blocks = unsigned((n_rows + kRouteWarps - 1) / kRouteWarps);
   const size_t smem = size_t(kRouteWarps) * size_t(n_experts) * sizeof(float);  // <= 16 KB
   launch_kernel(moe_route_kernel, LaunchDims{dim3(blocks), dim3(kRouteWarps * 32), smem}, stream,
@@ -847,9 +879,12 @@ int64_t moe_max_tiles(int64_t n_pairs, int64_t n_experts, int64_t tile_rows) {
   return max_tiles(n_pairs, n_experts, tile_rows);
 }
 
-void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int64_t tile_rows,
-                     int32_t* offsets, int32_t* n_tiles, int32_t* tiles, int32_t* perm,
-                     cudaStream_t stream) {
+namespace {
+
+// moe_group_pairs, with `route` (not null): the router's rows first, in the same launch.
+void group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int64_t tile_rows,
+                 int32_t* offsets, int32_t* n_tiles, int32_t* tiles, int32_t* perm,
+                 const RouteParams* route, cudaStream_t stream) {
   GroupParams g{};
   g.ids = ids;
   g.n_pairs = int32_t(n_pairs);
@@ -859,7 +894,22 @@ void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int
   g.n_tiles = n_tiles;
   g.tiles = tiles;
   g.perm = perm;
-  launch_kernel(moe_group_kernel, LaunchDims{dim3(1), dim3(kGroupThreads)}, stream, g);
+  if (route != nullptr) {
+    g.route = *route;
+    const size_t smem = size_t(route->n_rows) * size_t(route->n_experts) * sizeof(float);
+    launch_kernel(moe_group_kernel<true>, LaunchDims{dim3(1), dim3(kGroupThreads), smem}, stream,
+                  g);
+    return;
+  }
+  launch_kernel(moe_group_kernel<false>, LaunchDims{dim3(1), dim3(kGroupThreads)}, stream, g);
+}
+
+}  // namespace
+
+void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int64_t tile_rows,
+                     int32_t* offsets, int32_t* n_tiles, int32_t* tiles, int32_t* perm,
+                     cudaStream_t stream) {
+  group_pairs(ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm, nullptr, stream);
 }
 
 void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
@@ -887,10 +937,16 @@ size_t moe_experts_workspace_bytes(int64_t max_rows, int64_t top_k, int64_t n_ex
       .total;
 }
 
-Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* down,
-                       int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
-                       const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
-                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+namespace {
+
+// moe_experts_f16; with `route` (not null), the router writes ids and weights first: in the group
+// kernel's launch when one pass takes every row and there are at most kRouteGroupMaxRows, else as
+// moe_route_f32's own launch.
+Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* down,
+                   int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                   const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
+                   void* workspace, size_t workspace_bytes, const RouteParams* route,
+                   cudaStream_t stream) {
   constexpr int64_t kMaxPairs = int64_t(1) << 30;
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   if (n_experts < 1 || n_experts > kMoeMaxExperts || hidden < 8 || hidden % 8 != 0 ||
@@ -933,6 +989,14 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
                              moe_experts_workspace_bytes(1, top_k, n_experts, hidden, inter),
                              " bytes of one row (moe_experts_workspace_bytes)"));
   }
+  const bool route_in_group =
+      route != nullptr && n_rows <= kRouteGroupMaxRows && pass_rows >= n_rows;
+  if (route != nullptr && !route_in_group) {
+    const auto blocks = unsigned((n_rows + kRouteWarps - 1) / kRouteWarps);
+    const size_t smem = size_t(kRouteWarps) * size_t(n_experts) * sizeof(float);
+    launch_kernel(moe_route_kernel, LaunchDims{dim3(blocks), dim3(kRouteWarps * 32), smem}, stream,
+                  *route);
+  }
 
   auto* base = static_cast<unsigned char*>(workspace);
   for (int64_t r0 = 0; r0 < n_rows; r0 += pass_rows) {
@@ -955,7 +1019,8 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
     const bool small = n_pairs < 32 * groups;
     const int tile_rows = vec ? kVecRows : small ? SmallTile::kRows : LargeTile::kRows;
 
-    moe_group_pairs(pass_ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm, stream);
+    group_pairs(pass_ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm,
+                route_in_group ? route : nullptr, stream);
 
     GemmParams gp{};
     gp.a = x + r0 * hidden;
@@ -995,6 +1060,28 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
     moe_combine_terms(terms, pass_ids, rows, top_k, n_experts, hidden, out + r0 * hidden, stream);
   }
   return ok_status();
+}
+
+}  // namespace
+
+Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* down,
+                       int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
+                       const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
+                       void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
+                     workspace, workspace_bytes, nullptr, stream);
+}
+
+Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
+                             const uint16_t* gate_up, const uint16_t* down, int64_t n_experts,
+                             int64_t hidden, int64_t inter, int32_t* ids, float* weights,
+                             int64_t n_rows, int64_t top_k, uint16_t* out, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
+  RouteParams route;
+  E4KV_RETURN_IF_ERROR(route_params(nullptr, logits, n_rows, n_experts, top_k, norm_topk_prob, ids,
+                                    weights, &route));
+  return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
+                     workspace, workspace_bytes, &route, stream);
 }
 
 }  // namespace e4kv::cuda
