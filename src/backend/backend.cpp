@@ -148,9 +148,15 @@ Status Backend::moe_local_ids(int32_t*, int64_t, int64_t, int64_t, int64_t) {
 Status Backend::moe_route_experts(const float* logits, bool norm_topk_prob, const void* x,
                                   const LinearView& gate_up, const LinearView& down,
                                   int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
-                                  float* weights, int64_t n_rows, int64_t top_k, void* out) {
+                                  float* weights, int64_t n_rows, int64_t top_k, void* out,
+                                  const void* shared_y, const float* shared_gate) {
+  E4KV_ASSERT((shared_y == nullptr) == (shared_gate == nullptr),
+              "moe_route_experts: shared_y and shared_gate go together");
   E4KV_RETURN_IF_ERROR(moe_route(logits, n_rows, n_experts, top_k, norm_topk_prob, ids, weights));
-  return moe_experts(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out);
+  E4KV_RETURN_IF_ERROR(
+      moe_experts(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out));
+  if (shared_y == nullptr) return ok_status();
+  return sigmoid_gated_add(out, shared_y, shared_gate, n_rows, hidden);
 }
 
 Status Backend::moe_experts_quantized(const void*, const LinearView& gate_up, const LinearView&,

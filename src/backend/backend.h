@@ -496,12 +496,15 @@ class Backend {
                                        const LinearView& down, int64_t n_experts, int64_t hidden,
                                        int64_t inter, const int32_t* ids, const float* weights,
                                        int64_t n_rows, int64_t top_k, void* out);
-  // moe_route (writing ids and weights) then moe_experts on its result, which a backend may do
-  // in fewer launches; the results are those of the two calls.
+  // moe_route (writing ids and weights), moe_experts on its result and, with shared_y and
+  // shared_gate (both or neither), sigmoid_gated_add(out, shared_y, shared_gate): the shared
+  // expert's gated output. A backend may do it in fewer launches; the results are those of the
+  // separate calls.
   virtual Status moe_route_experts(const float* logits, bool norm_topk_prob, const void* x,
                                    const LinearView& gate_up, const LinearView& down,
                                    int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
-                                   float* weights, int64_t n_rows, int64_t top_k, void* out);
+                                   float* weights, int64_t n_rows, int64_t top_k, void* out,
+                                   const void* shared_y, const float* shared_gate);
   // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] fp32
   virtual Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                                    int64_t dim);

@@ -23,6 +23,7 @@
 #include "backend/cpu/moe.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/hybrid_ops.cuh"
 #include "backend/cuda/moe.cuh"
 #include "core/half.h"
 #include "core/status.h"
@@ -546,9 +547,10 @@ TEST(MoeExpertsCuda, RouterThenExpertsDirectAndInAGraph) {
 }
 
 // moe_route_experts_f16 (the router inside the grouping launch for a decode step, its own launch
-// otherwise) gives moe_route_f32 then moe_experts_f16's ids, weights and output bit for bit:
-// 1, 3 and 8 rows take the fused launch, 9 rows and a workspace of fewer rows than the step do
-// not.
+// otherwise; the shared expert's gated add inside the combine) gives moe_route_f32, then
+// moe_experts_f16, then sigmoid_gated_add_f16's ids, weights and output bit for bit: 1, 3 and 8
+// rows take the fused launch, 9 rows and a workspace of fewer rows than the step do not; with
+// and without the shared expert.
 TEST(MoeExpertsCuda, RouteInsideTheGroupingEqualsRouteThenExperts) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   for (const ExpertsCase& c : {ExpertsCase{1, 512, 256, 128, 10, Routing::kUniform, 61},
@@ -575,6 +577,12 @@ TEST(MoeExpertsCuda, RouteInsideTheGroupingEqualsRouteThenExperts) {
     DeviceBuffer<float> w_a(pairs), w_b(pairs);
     DeviceBuffer<uint16_t> out_a(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
     DeviceBuffer<uint16_t> out_b(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
+    const bool shared = c.seed % 2 == 1;  // 61, 63, 65: with the shared expert
+    std::vector<float> shared_f(size_t(c.n_rows * c.hidden)), gate_f(size_t(c.n_rows));
+    for (float& v : shared_f) v = normal(rng) * 0.25f;
+    for (float& v : gate_f) v = normal(rng);
+    DeviceBuffer<uint16_t> shared_y(to_f16(shared_f));
+    DeviceBuffer<float> shared_gate(gate_f);
     const Status routed = moe_route_f32(d_logits.ptr, c.n_rows, c.n_experts, c.top_k, true,
                                         ids_a.ptr, w_a.ptr, nullptr);
     ASSERT_TRUE(routed.ok()) << routed.message();
@@ -582,20 +590,25 @@ TEST(MoeExpertsCuda, RouteInsideTheGroupingEqualsRouteThenExperts) {
         moe_experts_f16(x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter, ids_a.ptr,
                         w_a.ptr, c.n_rows, c.top_k, out_a.ptr, workspace.ptr, ws_bytes, nullptr);
     ASSERT_TRUE(separate.ok()) << separate.message();
+    if (shared) {
+      sigmoid_gated_add_f16(out_a.ptr, shared_y.ptr, shared_gate.ptr, c.n_rows, c.hidden, nullptr);
+    }
     const Status fused = moe_route_experts_f16(
         d_logits.ptr, true, x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter, ids_b.ptr,
-        w_b.ptr, c.n_rows, c.top_k, out_b.ptr, workspace.ptr, ws_bytes, nullptr);
+        w_b.ptr, c.n_rows, c.top_k, out_b.ptr, shared ? shared_y.ptr : nullptr,
+        shared ? shared_gate.ptr : nullptr, workspace.ptr, ws_bytes, nullptr);
     ASSERT_TRUE(fused.ok()) << fused.message();
     E4KV_CUDA_CHECK(cudaDeviceSynchronize());
     EXPECT_EQ(ids_b.to_host(), ids_a.to_host());
     EXPECT_EQ(w_b.to_host(), w_a.to_host());
     const std::vector<uint16_t> got = out_b.to_host();
     EXPECT_EQ(got, out_a.to_host());
-    // And the CPU reference on those routes (the separate path's own test bounds).
-    Routes routes;
-    routes.ids = ids_a.to_host();
-    routes.weights = w_a.to_host();
-    check_experts(c, d, routes, widen(got), cpu_experts(c, d, routes));
+    if (!shared) {  // and the CPU reference on those routes (the separate path's own bounds)
+      Routes routes;
+      routes.ids = ids_a.to_host();
+      routes.weights = w_a.to_host();
+      check_experts(c, d, routes, widen(got), cpu_experts(c, d, routes));
+    }
   }
 }
 

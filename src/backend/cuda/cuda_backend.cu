@@ -569,10 +569,12 @@ class CudaBackend final : public Backend, public StepProfiler {
   Status moe_route_experts(const float* logits, bool norm_topk_prob, const void* x,
                            const LinearView& gate_up, const LinearView& down, int64_t n_experts,
                            int64_t hidden, int64_t inter, int32_t* ids, float* weights,
-                           int64_t n_rows, int64_t top_k, void* out) override {
+                           int64_t n_rows, int64_t top_k, void* out, const void* shared_y,
+                           const float* shared_gate) override {
     if (gate_up.format != WeightFormat::kDense || down.format != WeightFormat::kDense) {
       return Backend::moe_route_experts(logits, norm_topk_prob, x, gate_up, down, n_experts, hidden,
-                                        inter, ids, weights, n_rows, top_k, out);
+                                        inter, ids, weights, n_rows, top_k, out, shared_y,
+                                        shared_gate);
     }
     E4KV_ASSERT(gate_up.out == n_experts * 2 * inter && gate_up.in == hidden &&
                     down.out == n_experts * hidden && down.in == inter,
@@ -582,7 +584,8 @@ class CudaBackend final : public Backend, public StepProfiler {
     E4KV_RETURN_IF_ERROR(ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE"));
     return cuda::moe_route_experts_f16(logits, norm_topk_prob, h(x), h(gate_up.data), h(down.data),
                                        n_experts, hidden, inter, ids, weights, n_rows, top_k,
-                                       h(out), moe_workspace_, moe_workspace_bytes_, stream_);
+                                       h(out), h(shared_y), shared_gate, moe_workspace_,
+                                       moe_workspace_bytes_, stream_);
   }
   Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
                                int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,

@@ -721,6 +721,10 @@ struct CombineParams {
   int32_t n_experts;
   int32_t hidden;
   uint16_t* out;  // [n_rows, hidden] FP16
+  // Not null: then out[row] += sigmoid(shared_gate[row]) * shared_y[row] (the shared expert, as
+  // sigmoid_gated_add_f16 adds it to the FP16 sum: the same fp32 operations and roundings).
+  const uint16_t* shared_y;  // [n_rows, hidden] FP16
+  const float* shared_gate;  // [n_rows] fp32 logits
 };
 
 __global__ void moe_combine_kernel(const __grid_constant__ CombineParams p) {
@@ -741,8 +745,18 @@ __global__ void moe_combine_kernel(const __grid_constant__ CombineParams p) {
       sum.z += t.z;
       sum.w += t.w;
     }
-    const __half2 lo = __floats2half2_rn(sum.x, sum.y);
-    const __half2 hi = __floats2half2_rn(sum.z, sum.w);
+    __half2 lo = __floats2half2_rn(sum.x, sum.y);
+    __half2 hi = __floats2half2_rn(sum.z, sum.w);
+    if (p.shared_y != nullptr) {
+      const float g = 1.0f / (1.0f + expf(-p.shared_gate[row]));
+      const uint2 raw = *reinterpret_cast<const uint2*>(p.shared_y + row * p.hidden + col);
+      const float2 y_lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+      const float2 y_hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+      const float2 o_lo = __half22float2(lo);
+      const float2 o_hi = __half22float2(hi);
+      lo = __floats2half2_rn(o_lo.x + __fmul_rn(g, y_lo.x), o_lo.y + __fmul_rn(g, y_lo.y));
+      hi = __floats2half2_rn(o_hi.x + __fmul_rn(g, y_hi.x), o_hi.y + __fmul_rn(g, y_hi.y));
+    }
     uint2 packed;
     packed.x = *reinterpret_cast<const uint32_t*>(&lo);
     packed.y = *reinterpret_cast<const uint32_t*>(&hi);
@@ -912,9 +926,15 @@ void moe_group_pairs(const int32_t* ids, int64_t n_pairs, int64_t n_experts, int
   group_pairs(ids, n_pairs, n_experts, tile_rows, offsets, n_tiles, tiles, perm, nullptr, stream);
 }
 
-void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
-                       int64_t n_experts, int64_t hidden, uint16_t* out, cudaStream_t stream) {
+namespace {
+
+// moe_combine_terms, with the shared expert's gated add when shared_y is not null.
+void combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
+                   int64_t n_experts, int64_t hidden, uint16_t* out, const uint16_t* shared_y,
+                   const float* shared_gate, cudaStream_t stream) {
   CombineParams c{};
+  c.shared_y = shared_y;
+  c.shared_gate = shared_gate;
   c.terms = terms;
   c.ids = ids;
   c.n_rows = n_rows;
@@ -927,6 +947,13 @@ void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, i
   const auto blocks =
       unsigned(std::clamp<int64_t>((quads + kCombineThreads - 1) / kCombineThreads, 1, 65536));
   launch_kernel(moe_combine_kernel, LaunchDims{dim3(blocks), dim3(kCombineThreads)}, stream, c);
+}
+
+}  // namespace
+
+void moe_combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
+                       int64_t n_experts, int64_t hidden, uint16_t* out, cudaStream_t stream) {
+  combine_terms(terms, ids, n_rows, top_k, n_experts, hidden, out, nullptr, nullptr, stream);
 }
 
 size_t moe_experts_workspace_bytes(int64_t max_rows, int64_t top_k, int64_t n_experts,
@@ -946,7 +973,7 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
                    int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
                    const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
                    void* workspace, size_t workspace_bytes, const RouteParams* route,
-                   cudaStream_t stream) {
+                   const uint16_t* shared_y, const float* shared_gate, cudaStream_t stream) {
   constexpr int64_t kMaxPairs = int64_t(1) << 30;
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   if (n_experts < 1 || n_experts > kMoeMaxExperts || hidden < 8 || hidden % 8 != 0 ||
@@ -1057,7 +1084,9 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
       launch_gemms<LargeTile>(gp, gate_up, down, n_pairs, n_experts, stream);
     }
 
-    moe_combine_terms(terms, pass_ids, rows, top_k, n_experts, hidden, out + r0 * hidden, stream);
+    combine_terms(terms, pass_ids, rows, top_k, n_experts, hidden, out + r0 * hidden,
+                  shared_y != nullptr ? shared_y + r0 * hidden : nullptr,
+                  shared_gate != nullptr ? shared_gate + r0 : nullptr, stream);
   }
   return ok_status();
 }
@@ -1069,19 +1098,26 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
                        const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
                        void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
-                     workspace, workspace_bytes, nullptr, stream);
+                     workspace, workspace_bytes, nullptr, nullptr, nullptr, stream);
 }
 
 Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
                              const uint16_t* gate_up, const uint16_t* down, int64_t n_experts,
                              int64_t hidden, int64_t inter, int32_t* ids, float* weights,
-                             int64_t n_rows, int64_t top_k, uint16_t* out, void* workspace,
-                             size_t workspace_bytes, cudaStream_t stream) {
+                             int64_t n_rows, int64_t top_k, uint16_t* out, const uint16_t* shared_y,
+                             const float* shared_gate, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  if ((shared_y == nullptr) != (shared_gate == nullptr)) {
+    return Status::error("cuda moe_route_experts: shared_y and shared_gate go together");
+  }
+  if (shared_y != nullptr && reinterpret_cast<uintptr_t>(shared_y) % 8 != 0) {
+    return Status::error("cuda moe_route_experts: shared_y must be 8-byte aligned");
+  }
   RouteParams route;
   E4KV_RETURN_IF_ERROR(route_params(nullptr, logits, n_rows, n_experts, top_k, norm_topk_prob, ids,
                                     weights, &route));
   return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
-                     workspace, workspace_bytes, &route, stream);
+                     workspace, workspace_bytes, &route, shared_y, shared_gate, stream);
 }
 
 }  // namespace e4kv::cuda

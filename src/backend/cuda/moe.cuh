@@ -60,14 +60,17 @@ Status moe_experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_
                        void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // moe_route_f32 (logits [n_rows, n_experts] fp32, writing ids and weights) followed by
-// moe_experts_f16 on its result, with the same results bit for bit; a decode step (n_rows <= 8,
-// one pass of the workspace) routes inside the experts' grouping launch instead of a launch of
-// its own. The limits of both.
+// moe_experts_f16 on its result and, with shared_y [n_rows, hidden] FP16 (8-byte aligned) and
+// shared_gate [n_rows] fp32 (both or neither), sigmoid_gated_add_f16(out, shared_y, shared_gate):
+// the same results bit for bit, in fewer launches (a decode step, n_rows <= 8 in one pass of the
+// workspace, routes inside the experts' grouping launch; the gated add is part of the combine).
+// The limits of the parts.
 Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
                              const uint16_t* gate_up, const uint16_t* down, int64_t n_experts,
                              int64_t hidden, int64_t inter, int32_t* ids, float* weights,
-                             int64_t n_rows, int64_t top_k, uint16_t* out, void* workspace,
-                             size_t workspace_bytes, cudaStream_t stream);
+                             int64_t n_rows, int64_t top_k, uint16_t* out, const uint16_t* shared_y,
+                             const float* shared_gate, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream);
 
 // The pieces of moe_experts_f16 that the quantized experts (quant_moe.cuh) share.
 // Tiles of tile_rows pairs over any routing of n_pairs pairs to n_experts experts (the grid of a

@@ -84,21 +84,22 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
   E4KV_RETURN_IF_ERROR(router_.forward(b, x, n, ws.logits.data(), DType::kF32));
   const float* logits = router_.part<float>(ws.logits.data(), n, 0, 4);
   const float* shared_gate = router_.part<float>(ws.logits.data(), n, 1, 4);
-  if (expert_count_ == s.n_experts) {
-    // Every expert on this rank: the router and the experts in one call (fewer launches).
-    E4KV_RETURN_IF_ERROR(b.moe_route_experts(
-        logits, s.norm_topk_prob, x, gate_up_.view(), down_.view(), s.n_experts, s.hidden, s.inter,
-        ws.ids.as<int32_t>(), ws.weights.as<float>(), n, s.top_k, out));
-  } else {
-    E4KV_RETURN_IF_ERROR(b.moe_route(logits, n, s.n_experts, s.top_k, s.norm_topk_prob,
-                                     ws.ids.as<int32_t>(), ws.weights.as<float>()));
-    E4KV_RETURN_IF_ERROR(
-        b.moe_local_ids(ws.ids.as<int32_t>(), n, s.top_k, expert_begin_, expert_count_));
-    E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.view(), down_.view(), expert_count_, s.hidden,
-                                       s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
-                                       s.top_k, out));
-  }
   E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));
+  if (expert_count_ == s.n_experts) {
+    // Every expert on this rank: the router, the experts and the shared expert's gated add in
+    // one call (fewer launches).
+    return b.moe_route_experts(logits, s.norm_topk_prob, x, gate_up_.view(), down_.view(),
+                               s.n_experts, s.hidden, s.inter, ws.ids.as<int32_t>(),
+                               ws.weights.as<float>(), n, s.top_k, out, ws.shared.data(),
+                               shared_gate);
+  }
+  E4KV_RETURN_IF_ERROR(b.moe_route(logits, n, s.n_experts, s.top_k, s.norm_topk_prob,
+                                   ws.ids.as<int32_t>(), ws.weights.as<float>()));
+  E4KV_RETURN_IF_ERROR(
+      b.moe_local_ids(ws.ids.as<int32_t>(), n, s.top_k, expert_begin_, expert_count_));
+  E4KV_RETURN_IF_ERROR(b.moe_experts(x, gate_up_.view(), down_.view(), expert_count_, s.hidden,
+                                     s.inter, ws.ids.as<int32_t>(), ws.weights.as<float>(), n,
+                                     s.top_k, out));
   return b.sigmoid_gated_add(out, ws.shared.data(), shared_gate, n, s.hidden);
 }
 
