@@ -3,7 +3,8 @@
 # machine or a fresh one): the work that needs its own checkpoints, each part under its own cap,
 # every output packed into $OUT/all.tgz at the end (a call brings back few files).
 #   PART=peers      bench/decode_peers_gpu.sh: the dense Llama-3-8B shape, e4kv and gpt-fast side
-#                   by side at batch 1, 4096 (CELLS / PEER_CELLS to change)
+#                   by side at batch 1, 4096, and e4kv alone at 8 x 32768 (FP16 against E4M3;
+#                   CELLS / PEER_CELLS to change)
 #   PART=prefill    e4kv_bench_qwen4exp with E4KV_BENCH_PREFILL_PROFILE: where a long prompt's
 #                   prefill goes, by section (PREFILL_CONTEXT, default 16384; the benchmark
 #                   checkpoint in /tmp/e4kv_q4e, written when absent)
@@ -26,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 echo "binaries $(cat $B/COMMIT)" | tee -a "$OUT/round_two_env.txt"
 
 if [ "$PART" = all ] || [ "$PART" = peers ]; then
-  CELLS=${CELLS:-1x4096} PEER_CELLS=${PEER_CELLS:-1x4096} LIMIT_E4KV=${LIMIT_E4KV:-170} \
+  CELLS=${CELLS:-1x4096,8x32768} PEER_CELLS=${PEER_CELLS:-1x4096} LIMIT_E4KV=${LIMIT_E4KV:-240} \
     LIMIT_PEER=${LIMIT_PEER:-150} bench/decode_peers_gpu.sh >"$OUT/peers.txt" 2>&1
   echo "=== peers rc=$? at $(($(date +%s) - T0)) s"
   tail -30 "$OUT/peers.txt"
