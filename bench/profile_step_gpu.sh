@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where one decode step's device time goes, kernel by kernel: ncu times every kernel of one eager
-# decode step of the Qwen4Exp benchmark checkpoint (e4kv_bench_qwen4exp with
+# decode step of the Qwen4Exp benchmark checkpoint (or of the dense 8B shape: BENCH=dense) (e4kv_bench_qwen4exp with
 # E4KV_BENCH_PROFILER_STEP: the step between cudaProfilerStart and Stop, run under
 # `ncu --profile-from-start off`), then the kernels are summed by name. ncu serialises the
 # kernels and times each alone, so the sum is the step's kernel time without launch gaps or
@@ -8,7 +8,9 @@
 #   $OUT/step_kernels.csv   ncu's raw CSV (gpu__time_duration.sum per kernel launch)
 #   $OUT/step_kernels.txt   per kernel name: launches, total us, share; the largest first
 # Environment: BATCH (default 1), CONTEXT (default 4096), LIMIT seconds (default 300),
-# E4KV_BENCH_CKPT (default /tmp/e4kv_q4e: written when missing, reused otherwise).
+# E4KV_BENCH_CKPT (default /tmp/e4kv_q4e: written when missing, reused otherwise);
+# BENCH=dense: the dense Llama-3-8B shape instead (e4kv_bench_dense_decode, FP16 cache, its
+# checkpoint in E4KV_DENSE_CKPT, default /tmp/e4kv_dense8b).
 # Binaries: the prebuilt pack (scripts/gpu_prebuilt.sh) or a build in build-gpu90.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -21,10 +23,16 @@ if [ ! -x $B/bench/e4kv_bench_qwen4exp ]; then scripts/gpu_prebuilt.sh unpack >/
 CKPT=${E4KV_BENCH_CKPT:-/tmp/e4kv_q4e}
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 [ -n "$NCU" ] || { echo "profile_step_gpu.sh: no ncu on this machine" >&2; exit 1; }
+if [ "${BENCH:-qwen4exp}" = dense ]; then
+  BENCH_CMD=($B/bench/e4kv_bench_dense_decode "$OUT/profiled_bench.json" --keep-checkpoint
+    "${E4KV_DENSE_CKPT:-/tmp/e4kv_dense8b}" --cells "${BATCH:-1}x${CONTEXT:-4096}" --cache fp16)
+else
+  BENCH_CMD=($B/bench/e4kv_bench_qwen4exp "$OUT/profiled_bench.json" --keep-checkpoint "$CKPT"
+    --batches "${BATCH:-1}" --contexts "${CONTEXT:-4096}" --cache fp16)
+fi
 E4KV_BENCH_PROFILER_STEP=1 timeout "${LIMIT:-300}" "$NCU" --profile-from-start off \
   --metrics gpu__time_duration.sum --csv --log-file "$OUT/step_kernels.csv" \
-  $B/bench/e4kv_bench_qwen4exp "$OUT/profiled_bench.json" --keep-checkpoint "$CKPT" \
-  --batches "${BATCH:-1}" --contexts "${CONTEXT:-4096}" --cache fp16 >"$OUT/profile_bench.log" 2>&1
+  "${BENCH_CMD[@]}" >"$OUT/profile_bench.log" 2>&1
 echo "ncu rc=$?"
 python3 - "$OUT/step_kernels.csv" >"$OUT/step_kernels.txt" <<'PY'
 import csv, collections, re, sys

@@ -4,7 +4,8 @@
 # every output packed into $OUT/all.tgz at the end (a call brings back few files).
 #   PART=peers      bench/decode_peers_gpu.sh: the dense Llama-3-8B shape, e4kv and gpt-fast side
 #                   by side at batch 1, 4096, and e4kv alone at 8 x 32768 (FP16 against E4M3;
-#                   CELLS / PEER_CELLS to change)
+#                   CELLS / PEER_CELLS to change); then, time allowing, that shape's batch-1
+#                   step kernel by kernel (bench/profile_step_gpu.sh BENCH=dense)
 #   PART=prefill    e4kv_bench_qwen4exp with E4KV_BENCH_PREFILL_PROFILE: where a long prompt's
 #                   prefill goes, by section (PREFILL_CONTEXT, default 16384; the benchmark
 #                   checkpoint in /tmp/e4kv_q4e, written when absent)
@@ -31,6 +32,11 @@ if [ "$PART" = all ] || [ "$PART" = peers ]; then
     LIMIT_PEER=${LIMIT_PEER:-150} bench/decode_peers_gpu.sh >"$OUT/peers.txt" 2>&1
   echo "=== peers rc=$? at $(($(date +%s) - T0)) s"
   tail -30 "$OUT/peers.txt"
+  if [ "$(left)" -gt 300 ]; then  # the dense step kernel by kernel, on the checkpoint just written
+    BENCH=dense LIMIT=120 bench/profile_step_gpu.sh >"$OUT/dense_profile.txt" 2>&1
+    echo "=== dense profile at $(($(date +%s) - T0)) s"
+    head -25 "$OUT/step_kernels.txt" 2>/dev/null
+  fi
   rm -rf "${E4KV_DENSE_CKPT:-/tmp/e4kv_dense8b}"  # its disk for the next part
 fi
 

@@ -31,6 +31,8 @@
 //
 // Usage: e4kv_bench_dense_decode [out.json] [--cells 1x4096,8x32768] [--cache fp16|e4m3|both]
 //        [--keep-checkpoint DIR] [--layers N] [--print-plan]
+// Environment: E4KV_BENCH_PROFILER_STEP set: one more eager step per cell between
+// cudaProfilerStart and cudaProfilerStop, for ncu (bench/profile_step_gpu.sh BENCH=dense)
 // (--layers N: a shallower model of the same width, for a quick check of the harness; its
 // checkpoint is another one, so give it another --keep-checkpoint directory. --print-plan: the
 // checkpoint's tensors and bytes, and each cell's bytes per step; needs no GPU.)
@@ -46,6 +48,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <cuda_profiler_api.h>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device.h"
@@ -287,6 +291,14 @@ Row run_cell(Model& model, KvCacheDtype dtype, const Cell& cell) {
   };
   row.logits_finite = finite(le) && finite(lg);
   row.graph_equals_eager = le == lg;
+  if (std::getenv("E4KV_BENCH_PROFILER_STEP") != nullptr) {
+    // One more eager step between cudaProfilerStart and Stop: under `ncu --profile-from-start
+    // off` (bench/profile_step_gpu.sh BENCH=dense) each kernel's own device time.
+    backend.synchronize();
+    cudaProfilerStart();
+    (void)host_logits(backend, step(kStepsPerSample - 1, false));
+    cudaProfilerStop();
+  }
   std::fprintf(stderr,
                "bench_dense_decode: %s %d x %lld: eager %.3f ms, graphs %.3f ms (%lld captures, "
                "%lld during the timed samples; %lld operations per graph)\n",
