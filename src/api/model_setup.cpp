@@ -2,18 +2,18 @@
 
 #include <algorithm>
 #include <charconv>
-#include <filesystem>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <thread>
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/checked.h"
-#include "model/tensor_parallel.h"
 #include "kv/block_allocator.h"
 #include "kv/capacity.h"
 #include "kv/scale_gate.h"
 #include "model/step_context.h"
+#include "model/tensor_parallel.h"
 #if defined(E4KV_HAVE_CUDA_BACKEND)
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -124,7 +124,9 @@ Result<std::unique_ptr<Backend>> make_backend(const ModelSetup& setup) {
 #else
     return Status::error(cat(name, " ", device,
                              ": this e4kv was built without the CUDA backend (no CUDA toolkit at "
-                             "configure time); use ", name, " cpu, or rebuild with nvcc available "
+                             "configure time); use ",
+                             name,
+                             " cpu, or rebuild with nvcc available "
                              "and -DE4KV_ENABLE_CUDA=ON"));
 #endif
   }
@@ -152,19 +154,20 @@ Result<int64_t> blocks_for_utilization(const ModelSetup& setup, const Checkpoint
   // One forward of max_batch_tokens rows, in sequences of at most max_model_len tokens.
   const int64_t rows = limits.max_batch_tokens;
   const int64_t seq_rows = std::min(rows, limits.max_model_len);
-  const int64_t n_seqs = std::min({(rows + seq_rows - 1) / seq_rows, limits.max_seqs,
-                                   limits.max_logit_rows});
+  const int64_t n_seqs =
+      std::min({(rows + seq_rows - 1) / seq_rows, limits.max_seqs, limits.max_logit_rows});
   const int64_t seq_blocks = blocks_for_tokens(seq_rows, options.block_size);
-  options.n_blocks = std::max(blocks_for_tokens(limits.max_model_len, options.block_size),
-                              n_seqs * seq_blocks);
+  options.n_blocks =
+      std::max(blocks_for_tokens(limits.max_model_len, options.block_size), n_seqs * seq_blocks);
   if (options.n_blocks > kMaxPoolBlocks) {
     return flag_error(cat("a provisional pool of ", options.n_blocks, " blocks is too large"));
   }
   Result<std::unique_ptr<Model>> provisional = e4kv::load_model(ckpt, backend, options);
   if (!provisional.ok()) {
-    return flag_error(cat("the provisional model (a pool of one sequence of the max model "
-                          "length, for the memory-profiling forward) does not load: ",
-                          provisional.message()));
+    return flag_error(
+        cat("the provisional model (a pool of one sequence of the max model "
+            "length, for the memory-profiling forward) does not load: ",
+            provisional.message()));
   }
   Model& model = **provisional;
   std::vector<int32_t> ids, row_seq, row_pos, logit_rows, seq_slots;
@@ -211,9 +214,9 @@ Result<int64_t> blocks_for_utilization(const ModelSetup& setup, const Checkpoint
   Result<int64_t> budget = kv_budget_for_utilization(
       info->total_bytes, utilization, info->total_bytes - info->free_bytes, pool_in_use);
   if (!budget.ok()) return flag_error(budget.message());
-  Result<KvCapacity> capacity = kv_capacity(
-      layout, options.kv_cache_dtype, std::max<int64_t>(0, *budget - block_bytes),
-      limits.max_seqs + 1);
+  Result<KvCapacity> capacity =
+      kv_capacity(layout, options.kv_cache_dtype, std::max<int64_t>(0, *budget - block_bytes),
+                  limits.max_seqs + 1);
   if (!capacity.ok()) return flag_error(capacity.message());
   return capacity->n_blocks;
 }
@@ -269,8 +272,7 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
     E4KV_ASSIGN_OR_RETURN(loaded.backend, make_backend(setup));
   }
   const ModelConfig& config = loaded.checkpoint->config();
-  const std::string config_path =
-      (std::filesystem::path(setup.model_dir) / "config.json").string();
+  const std::string config_path = (std::filesystem::path(setup.model_dir) / "config.json").string();
 
   ModelOptions options;
   options.kv_cache_dtype = dtype;
@@ -333,14 +335,15 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
                                                         limits.max_model_len, pool_flag));
   }
   if (tp_size == 1) {
+    options.load_progress = setup.load_progress;
     E4KV_ASSIGN_OR_RETURN(loaded.model,
                           e4kv::load_model(*loaded.checkpoint, *loaded.backend, options));
   } else {
     // One CPU backend per rank, the threads shared among them.
     std::vector<std::unique_ptr<Backend>> backends;
     ModelSetup rank_setup = setup;
-    const int threads = setup.threads > 0 ? setup.threads
-                                          : int(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads =
+        setup.threads > 0 ? setup.threads : int(std::max(1u, std::thread::hardware_concurrency()));
     rank_setup.threads = std::max(1, threads / tp_size);
     for (int r = 0; r < tp_size; ++r) {
       E4KV_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(rank_setup));
@@ -357,18 +360,12 @@ Result<LoadedModel> load_model(const ModelSetup& setup, int64_t tokens, int64_t 
                                " fp8_e4m3: this model has no PLE n-gram table; nothing to store "
                                "as E4M3"));
   }
-  Result<KvPoolSummary> pool = kv_pool_summary(*layout, loaded.model->kv_cache_dtype(),
-                                               loaded.model->n_blocks(),
-                                               loaded.model->max_model_len());
+  Result<KvPoolSummary> pool =
+      kv_pool_summary(*layout, loaded.model->kv_cache_dtype(), loaded.model->n_blocks(),
+                      loaded.model->max_model_len());
   if (pool.ok()) loaded.pool = *pool;
   if (std::string line = pool_line(*loaded.model, pool); !line.empty()) {
     loaded.notes.push_back(std::move(line));
-  }
-  if (config.quant.quantized() && setup.device != "cpu") {
-    loaded.notes.push_back(cat("weights: ", config.quant.describe(), " on ", setup.device,
-                               ": the CUDA kernels for quantized weights have not been verified "
-                               "on a GPU yet (their tests are owed); the CPU backend's results "
-                               "are the checked ones"));
   }
   if (dtype == KvCacheDtype::kE4m3) loaded.notes.push_back(loaded.model->kv_scales().summary);
   return loaded;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -63,6 +64,9 @@ struct ModelSetup {
   bool enforce_eager = false;
   // How an error names an option given its field name ("block_size"); null: the field name.
   std::string (*option_name)(std::string_view field) = nullptr;
+  // The weights' load progress (ModelOptions::load_progress) of the model load_model returns
+  // (not of a memory-profiling load before it). Null: none.
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
 };
 
 // The ranges of the numeric fields above and the pool options' exclusivity; errors name the

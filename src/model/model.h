@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -51,6 +52,9 @@ struct ModelOptions {
   // This model's share under tensor parallelism (model/tensor_parallel.h loads one per rank);
   // the default is the whole model.
   TpShard tp;
+  // Called as the weights load: the checkpoint's tensor bytes taken so far and in all
+  // (WeightLoader::set_progress: every further 1% and at the end). Null: none.
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
 };
 
 // The PLE n-gram tables a model holds (Qwen4Exp), for the load line and `e4kv compare`.
@@ -192,7 +196,8 @@ class Model {
   Result<std::vector<float>> forward(const ForwardBatch& batch) {
     E4KV_ASSIGN_OR_RETURN(const DeviceLogits logits, forward_device(batch));
     std::vector<float> host(size_t(logits.rows * logits.vocab));
-    if (!host.empty()) backend().copy_to_host(host.data(), logits.data, host.size() * sizeof(float));
+    if (!host.empty())
+      backend().copy_to_host(host.data(), logits.data, host.size() * sizeof(float));
     return host;
   }
 
@@ -205,8 +210,8 @@ class Model {
 
   // Why the model cannot take token `id` as input (an empty string when it can), for ids inside the
   // vocabulary: Qwen4Exp's image and video placeholders, which need the vision tower e4kv does not
-  // run. The engine refuses such a prompt at admission and ends a request that samples such a token,
-  // so no forward that runs other requests meets one.
+  // run. The engine refuses such a prompt at admission and ends a request that samples such a
+  // token, so no forward that runs other requests meets one.
   virtual std::string input_token_problem(int32_t /*id*/) const { return {}; }
 
   // Inf/NaN K/V values the cache writes met (each fails its forward), counted since load.

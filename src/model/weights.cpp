@@ -16,8 +16,7 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 WeightLoader::WeightLoader(const Checkpoint& ckpt, Backend& backend, std::string family)
     : ckpt_(&ckpt), backend_(&backend), family_(std::move(family)) {}
 
-Result<BackendBuffer> WeightLoader::load(const std::string& name,
-                                         const std::vector<int64_t>& shape,
+Result<BackendBuffer> WeightLoader::load(const std::string& name, const std::vector<int64_t>& shape,
                                          std::string_view meaning) {
   E4KV_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find(name, shape, meaning));
   Result<BackendBuffer> buffer = backend_->upload_weight(*tensor);
@@ -39,7 +38,7 @@ Result<const SafetensorsTensor*> WeightLoader::find(const std::string& name,
                              shape_text(shape), " (", meaning,
                              "); the checkpoint and its config.json disagree"));
   }
-  used_.insert(name);
+  use(name);
   return tensor;
 }
 
@@ -128,11 +127,35 @@ Result<BackendBuffer> WeightLoader::load_row_blocks(const std::string& name,
   return upload_host(name, tensor->dtype, shape, std::move(bytes));
 }
 
+void WeightLoader::set_progress(Progress progress) {
+  progress_ = std::move(progress);
+  total_bytes_ = 0;
+  for (const std::string& name : ckpt_->tensor_names()) {
+    if (const SafetensorsTensor* t = ckpt_->find(name); t != nullptr)
+      total_bytes_ += t->bytes.size();
+  }
+  done_bytes_ = 0;
+  for (const std::string& name : used_) {
+    if (const SafetensorsTensor* t = ckpt_->find(name); t != nullptr)
+      done_bytes_ += t->bytes.size();
+  }
+  reported_bytes_ = done_bytes_;
+}
+
+void WeightLoader::use(const std::string& name) {
+  if (!used_.insert(name).second || !progress_) return;
+  if (const SafetensorsTensor* t = ckpt_->find(name); t != nullptr) done_bytes_ += t->bytes.size();
+  if (done_bytes_ - reported_bytes_ >= total_bytes_ / 100 || done_bytes_ == total_bytes_) {
+    reported_bytes_ = done_bytes_;
+    progress_(done_bytes_, total_bytes_);
+  }
+}
+
 int64_t WeightLoader::skip_prefix(std::string_view prefix) {
   int64_t count = 0;
   for (const std::string& name : ckpt_->tensor_names()) {
     if (std::string_view(name).starts_with(prefix)) {
-      used_.insert(name);
+      use(name);
       ++count;
     }
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -120,7 +121,13 @@ class WeightLoader {
   // part of the checkpoint the runtime does not run, such as a vision tower).
   int64_t skip_prefix(std::string_view prefix);
   // Counts `name` as used without uploading it (a tied lm_head).
-  void mark_used(const std::string& name) { used_.insert(name); }
+  void mark_used(const std::string& name) { use(name); }
+
+  // Called with the bytes of the tensors taken so far (found for loading, marked or skipped) and
+  // the checkpoint's tensor bytes, each time another 1% has been taken and at the end: a large
+  // checkpoint's load takes minutes (the CLI draws a bar from it). Null: none.
+  using Progress = std::function<void(uint64_t done_bytes, uint64_t total_bytes)>;
+  void set_progress(Progress progress);
 
   // An error listing the tensors nothing loaded (at most 5 named, then the count).
   Status check_all_used() const;
@@ -133,6 +140,12 @@ class WeightLoader {
                                     std::vector<int64_t> shape, std::vector<std::byte> bytes);
 
   std::set<std::string, std::less<>> used_;
+  // Records `name` as used and reports progress (a name already used counts once).
+  void use(const std::string& name);
+  Progress progress_;
+  uint64_t total_bytes_ = 0;
+  uint64_t done_bytes_ = 0;
+  uint64_t reported_bytes_ = 0;
 
   struct HostLinear;
   // reuse: a HostLinear whose buffers (their capacity) the result takes over, so that loading

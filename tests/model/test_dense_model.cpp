@@ -446,6 +446,34 @@ SynthCheckpointOptions small_llama() {
   return case_options(c);
 }
 
+// ModelOptions::load_progress reports the tensor bytes taken, increasing, ending at every byte of
+// the checkpoint (a model that uses every tensor), the total being the tensors' bytes.
+TEST(DenseModel, LoadProgressCountsEveryTensorByte) {
+  TempDir tmp;
+  ASSERT_TRUE(write_synth_checkpoint(tmp.path(), small_llama()).ok());
+  Result<Checkpoint> ckpt = Checkpoint::open(tmp.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.message();
+  uint64_t tensor_bytes = 0;
+  for (const std::string& name : ckpt->tensor_names())
+    tensor_bytes += ckpt->find(name)->bytes.size();
+  std::vector<std::pair<uint64_t, uint64_t>> calls;
+  auto backend = make_cpu_backend();
+  ModelOptions options;
+  options.n_blocks = 4;
+  options.block_size = 16;
+  options.load_progress = [&](uint64_t done, uint64_t total) { calls.emplace_back(done, total); };
+  Result<std::unique_ptr<Model>> model = load_model(*ckpt, *backend, options);
+  ASSERT_TRUE(model.ok()) << model.message();
+  ASSERT_GE(calls.size(), 2u);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    EXPECT_EQ(calls[i].second, tensor_bytes);
+    if (i > 0) {
+      EXPECT_GT(calls[i].first, calls[i - 1].first) << "call " << i;
+    }
+  }
+  EXPECT_EQ(calls.back().first, tensor_bytes);
+}
+
 TEST(DenseModel, PrefillInOneForwardEqualsTokenByToken) {
   TempDir tmp;
   ASSERT_TRUE(write_synth_checkpoint(tmp.path(), small_llama()).ok());

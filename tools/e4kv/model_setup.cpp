@@ -1,6 +1,9 @@
 #include "model_setup.h"
 
+#include <unistd.h>
+
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <limits>
 
@@ -65,7 +68,8 @@ void add_pool_flags(CLI::App* cmd, ModelFlags& flags) {
          "Blocks of the KV cache pool, exactly (any device)")
       ->transform(decimal_integer<int64_t>(1, kMaxPoolBlocks));
   cmd->add_option_function<double>(
-         "--gpu-memory-utilization", [&flags](const double& g) { flags.gpu_memory_utilization = g; },
+         "--gpu-memory-utilization",
+         [&flags](const double& g) { flags.gpu_memory_utilization = g; },
          "CUDA: the fraction of the card's memory e4kv may take; the KV pool gets what the weights "
          "and the activation peak of a memory-profiling forward leave of it")
       ->transform(finite_number());
@@ -88,8 +92,24 @@ Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int thr
 
 Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows,
                                int64_t n_seqs) {
-  E4KV_ASSIGN_OR_RETURN(LoadedModel loaded,
-                        e4kv::load_model(with_flag_names(flags), tokens, all_rows, n_seqs));
+  ModelSetup setup = with_flag_names(flags);
+  // On a terminal: the weights' load as a line redrawn with '\r', finished with the time it took
+  // (a published-size checkpoint takes minutes). Not on a pipe or a file, where logs are read.
+  const auto t0 = std::chrono::steady_clock::now();
+  bool drawn = false;
+  if (isatty(fileno(stderr)) != 0) {
+    setup.load_progress = [&](uint64_t done, uint64_t total) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::fprintf(stderr, "\re4kv: loading weights %6.2f / %.2f GB (%3d%%) %6.1f s",
+                   double(done) / 1e9, double(total) / 1e9,
+                   total > 0 ? int(100 * done / total) : 100, s);
+      std::fflush(stderr);
+      drawn = true;
+    };
+  }
+  Result<LoadedModel> result = e4kv::load_model(setup, tokens, all_rows, n_seqs);
+  if (drawn) std::fprintf(stderr, "%s\n", result.ok() ? ", done" : "");
+  E4KV_ASSIGN_OR_RETURN(LoadedModel loaded, std::move(result));
   for (const std::string& note : loaded.notes) std::fprintf(stderr, "e4kv: %s\n", note.c_str());
   return loaded;
 }

@@ -160,6 +160,7 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
   const int64_t hidden = config.hidden_size;
   const int64_t vocab = config.vocab_size;
   WeightLoader weights(ckpt, backend, std::string(dense_family_name(spec.family)));
+  if (options.load_progress) weights.set_progress(options.load_progress);
   AttentionShape attention;
   attention.hidden = hidden;
   attention.n_heads = config.n_heads;
@@ -180,8 +181,9 @@ Result<std::unique_ptr<DenseModel>> DenseModel::load(const Checkpoint& ckpt, Bac
                           weights.load(p + "input_layernorm.weight", {hidden}, "[hidden_size]"));
     E4KV_ASSIGN_OR_RETURN(AttentionMixer mixer,
                           AttentionMixer::load(weights, p + "self_attn.", attention, options.tp));
-    E4KV_ASSIGN_OR_RETURN(BackendBuffer post_norm, weights.load(p + "post_attention_layernorm.weight",
-                                                                {hidden}, "[hidden_size]"));
+    E4KV_ASSIGN_OR_RETURN(
+        BackendBuffer post_norm,
+        weights.load(p + "post_attention_layernorm.weight", {hidden}, "[hidden_size]"));
     E4KV_ASSIGN_OR_RETURN(DenseMlp mlp,
                           DenseMlp::load(weights, p + "mlp.", hidden, config.intermediate_size,
                                          "intermediate_size", options.tp));
@@ -320,8 +322,8 @@ Status DenseModel::run_layers(const ForwardBatch& batch) {
                            layer.attention.shape().q_dim());
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
     core_.mark("mlp");
-    E4KV_RETURN_IF_ERROR(b.add_rms_norm(ws.x.data(), ws.o.data(), layer.post_norm.data(), n,
-                                        hidden, eps, RmsNormForm::kWeight, ws.h.data()));
+    E4KV_RETURN_IF_ERROR(b.add_rms_norm(ws.x.data(), ws.o.data(), layer.post_norm.data(), n, hidden,
+                                        eps, RmsNormForm::kWeight, ws.h.data()));
     E4KV_RETURN_IF_ERROR(layer.mlp.forward(b, n, ws.h.data(), ws.o.data(), ws.mlp));
     E4KV_RETURN_IF_ERROR(core_.options.tp.all_reduce(b, ws.o.data(), n * hidden));
     if (l + 1 < layers_.size()) {

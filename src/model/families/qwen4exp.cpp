@@ -117,6 +117,7 @@ Result<std::unique_ptr<Qwen4ExpModel>> Qwen4ExpModel::load(const Checkpoint& ckp
   const bool nested = ckpt.find("model.language_model.embed_tokens.weight") != nullptr;
   const std::string root = nested ? "model.language_model." : "model.";
   WeightLoader weights(ckpt, backend, "qwen4_exp");
+  if (options.load_progress) weights.set_progress(options.load_progress);
   m.skipped_tensors_ = weights.skip_prefix("model.visual.") + weights.skip_prefix("mtp.");
   E4KV_ASSIGN_OR_RETURN(m.embed_, weights.load(root + "embed_tokens.weight", {vocab, hidden},
                                                "[vocab_size, hidden_size]"));
