@@ -134,6 +134,9 @@ struct EngineConfig {
   // A Jinja chat template file used instead of the checkpoint's (vLLM's --chat-template); empty:
   // the checkpoint's own.
   std::string chat_template;
+  // Called while the weights load with the checkpoint's tensor bytes taken so far and in all
+  // (every further 1% and at the end; on the thread that calls create). Null: none.
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> load_progress;
 };
 
 // vLLM's sampling and request fields, their names and meanings.
@@ -169,8 +172,8 @@ struct ChatMessage {
 // A chat in OpenAI's JSON form, for what ChatMessage cannot say (content parts, tool calls, tool
 // results, names), with the template's other inputs. Every field is JSON text.
 struct ChatJson {
-  std::string messages;  // an array of message objects, passed to the template as given
-  std::string tools;     // empty, or an array of {"type": "function", "function": {...}}
+  std::string messages;         // an array of message objects, passed to the template as given
+  std::string tools;            // empty, or an array of {"type": "function", "function": {...}}
   std::string template_kwargs;  // empty, or an object of extra template variables
   // Unset: the generation prompt unless the last message is the assistant's.
   std::optional<bool> add_generation_prompt;
@@ -219,7 +222,7 @@ using RequestId = uint64_t;
 // One output of one request: what is new since its previous output.
 struct CompletionOutput {
   RequestId request_id = 0;
-  int32_t index = 0;  // the completion, 0..n-1
+  int32_t index = 0;                     // the completion, 0..n-1
   std::string text;                      // text that became final with this output (may be empty)
   std::vector<int32_t> token_ids;        // tokens generated since the previous output
   std::vector<Logprob> logprobs;         // [token_ids.size()] when the request asked for logprobs
@@ -279,15 +282,15 @@ struct EngineStats {
   int64_t kv_blocks_total = 0;
   int64_t kv_blocks_used = 0;
   int64_t block_size = 0;
-  int64_t kv_pool_tokens = 0;          // kv_blocks_total * block_size
+  int64_t kv_pool_tokens = 0;             // kv_blocks_total * block_size
   int64_t kv_fp16_equivalent_tokens = 0;  // what the same bytes hold as an FP16 cache
-  std::string kv_cache_dtype;          // "fp16" or "fp8_e4m3"
+  std::string kv_cache_dtype;             // "fp16" or "fp8_e4m3"
   // "calibrated", "unit" (every scale 1.0, a negative control), or "none" (an FP16 cache).
   std::string kv_scales;
   // Running totals since start.
   int64_t preemptions = 0;
-  int64_t prompt_tokens = 0;      // of admitted requests
-  int64_t generation_tokens = 0;  // delivered
+  int64_t prompt_tokens = 0;        // of admitted requests
+  int64_t generation_tokens = 0;    // delivered
   int64_t kv_nonfinite_inputs = 0;  // inf/NaN K/V values the cache writes refused
 };
 

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -128,9 +128,8 @@ class LLMEngine::Impl {
         loaded_(std::move(loaded)),
         tokenizer_(std::move(tokenizer)),
         eos_ids_(std::move(eos_ids)),
-        engine_(*loaded_.model,
-                e4kv::EngineConfig{config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.enforce_eager}) {
+        engine_(*loaded_.model, e4kv::EngineConfig{config.max_num_batched_tokens,
+                                                   config.max_num_seqs, config.enforce_eager}) {
     if (tokenizer_) processor_.emplace(*tokenizer_);
     stats_.kv_blocks_total = loaded_.model->n_blocks();
     stats_.block_size = loaded_.model->block_size();
@@ -139,8 +138,8 @@ class LLMEngine::Impl {
     const KvScales& scales = loaded_.model->kv_scales();
     stats_.kv_cache_dtype = kv_cache_dtype_name(loaded_.model->kv_cache_dtype());
     stats_.kv_scales = scales.dtype != KvCacheDtype::kE4m3 ? "none"
-                       : scales.negative_control()        ? "unit"
-                                                          : "calibrated";
+                       : scales.negative_control()         ? "unit"
+                                                           : "calibrated";
     loop_ = std::thread([this] { run_loop(); });
   }
 
@@ -440,7 +439,8 @@ class LLMEngine::Impl {
       for (const e4kv::RequestId engine_id : engine_.take_first_runs()) {
         auto it = live_.find(engine_id);
         if (it == live_.end()) continue;
-        it->second.queue_seconds = std::chrono::duration<double>(now - it->second.submitted).count();
+        it->second.queue_seconds =
+            std::chrono::duration<double>(now - it->second.submitted).count();
       }
       std::vector<RequestOutput> outputs;
       if (processor_) {
@@ -600,7 +600,7 @@ class LLMEngine::Impl {
   std::atomic<RequestId> next_id_{0};
 
   mutable std::mutex stats_mu_;
-  EngineStats stats_;  // under stats_mu_
+  EngineStats stats_;              // under stats_mu_
   int64_t prompt_tokens_ = 0;      // loop thread
   int64_t generation_tokens_ = 0;  // loop thread
 
@@ -657,9 +657,10 @@ Result<std::unique_ptr<LLMEngine>> LLMEngine::create(const EngineConfig& config)
   setup.max_seqs = config.max_num_seqs;
   setup.max_batch_tokens = config.max_num_batched_tokens;
   setup.option_name = &config_option_name;
+  setup.load_progress = config.load_progress;
   if (!config.chat_template.empty() && !fs::is_regular_file(config.chat_template, ec)) {
-    return field_error("chat_template", cat(config.chat_template,
-                                            ": not a file; give a Jinja chat template file"));
+    return field_error("chat_template",
+                       cat(config.chat_template, ": not a file; give a Jinja chat template file"));
   }
 
   // The tokenizer and EOS ids first: a broken tokenizer.json costs no model load.

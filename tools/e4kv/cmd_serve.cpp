@@ -100,7 +100,10 @@ Status run_serve(ServeArgs& args) {
   config.tensor_parallel_size = args.model.tensor_parallel_size;
   config.special_tokens_in_content = args.special_tokens_in_content;
   config.chat_template = args.chat_template;
+  LoadProgressLine progress;
+  config.load_progress = progress.callback();
   api::Result<std::unique_ptr<api::LLMEngine>> engine = api::LLMEngine::create(config);
+  progress.finish(engine.ok());
   auto stop_threads = [&] {
     start_failed.store(true);
     // Wakes the signal thread, which stops the listener.
@@ -117,8 +120,7 @@ Status run_serve(ServeArgs& args) {
     if (field.empty()) {
       for (const char* known :
            {"model", "device", "kv_cache_dtype", "kv_scales_mode", "ple_dtype", "block_size",
-            "max_model_len",
-            "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+            "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
             "num_gpu_blocks_override", "gpu_memory_utilization", "threads", "tensor_parallel_size",
             "chat_template"}) {
         if (message.rfind(std::string(known) + ":", 0) == 0) field = known;

@@ -93,25 +93,34 @@ Result<std::unique_ptr<Backend>> make_backend(const std::string& device, int thr
 Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t all_rows,
                                int64_t n_seqs) {
   ModelSetup setup = with_flag_names(flags);
-  // On a terminal: the weights' load as a line redrawn with '\r', finished with the time it took
-  // (a published-size checkpoint takes minutes). Not on a pipe or a file, where logs are read.
-  const auto t0 = std::chrono::steady_clock::now();
-  bool drawn = false;
-  if (isatty(fileno(stderr)) != 0) {
-    setup.load_progress = [&](uint64_t done, uint64_t total) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::fprintf(stderr, "\re4kv: loading weights %6.2f / %.2f GB (%3d%%) %6.1f s",
-                   double(done) / 1e9, double(total) / 1e9,
-                   total > 0 ? int(100 * done / total) : 100, s);
-      std::fflush(stderr);
-      drawn = true;
-    };
-  }
+  LoadProgressLine progress;
+  setup.load_progress = progress.callback();
   Result<LoadedModel> result = e4kv::load_model(setup, tokens, all_rows, n_seqs);
-  if (drawn) std::fprintf(stderr, "%s\n", result.ok() ? ", done" : "");
+  progress.finish(result.ok());
   E4KV_ASSIGN_OR_RETURN(LoadedModel loaded, std::move(result));
   for (const std::string& note : loaded.notes) std::fprintf(stderr, "e4kv: %s\n", note.c_str());
   return loaded;
+}
+
+LoadProgressLine::LoadProgressLine()
+    : terminal_(isatty(fileno(stderr)) != 0), start_(std::chrono::steady_clock::now()) {}
+
+std::function<void(uint64_t, uint64_t)> LoadProgressLine::callback() {
+  if (!terminal_) return nullptr;
+  return [this](uint64_t done, uint64_t total) {
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    std::fprintf(stderr, "\re4kv: loading weights %6.2f / %.2f GB (%3d%%) %6.1f s",
+                 double(done) / 1e9, double(total) / 1e9, total > 0 ? int(100 * done / total) : 100,
+                 s);
+    std::fflush(stderr);
+    drawn_ = true;
+  };
+}
+
+void LoadProgressLine::finish(bool ok) {
+  if (drawn_) std::fprintf(stderr, "%s\n", ok ? ", done" : "");
+  drawn_ = false;
 }
 
 Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text) {

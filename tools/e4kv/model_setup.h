@@ -3,7 +3,9 @@
 // the public API uses too), with errors naming the flags and the load's notes printed.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,5 +51,19 @@ Result<LoadedModel> load_model(const ModelFlags& flags, int64_t tokens, int64_t 
 
 // "1,2,3" (spaces allowed) -> ids; errors name `flag`.
 Result<std::vector<int32_t>> parse_id_list(const std::string& flag, const std::string& text);
+
+// The weights' load on a terminal: "e4kv: loading weights x / y GB (n%) t s", redrawn with '\r'
+// by callback() (null when stderr is not a terminal: logs stay clean), ended by finish().
+class LoadProgressLine {
+ public:
+  LoadProgressLine();
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> callback();
+  void finish(bool ok);
+
+ private:
+  bool terminal_ = false;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
 
 }  // namespace e4kv::cli
