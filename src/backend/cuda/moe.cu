@@ -861,6 +861,14 @@ Status route_params(const uint16_t* logits, const float* logits_f32, int64_t n_r
   return ok_status();
 }
 
+// The router's own launch: kRouteWarps rows a CTA.
+void launch_route(const RouteParams& p, cudaStream_t stream) {
+  const auto blocks = unsigned((p.n_rows + kRouteWarps - 1) / kRouteWarps);
+  const size_t smem = size_t(kRouteWarps) * size_t(p.n_experts) * sizeof(float);  // <= 16 KB
+  launch_kernel(moe_route_kernel, LaunchDims{dim3(blocks), dim3(kRouteWarps * 32), smem}, stream,
+                p);
+}
+
 Status moe_route_any(const uint16_t* logits, const float* logits_f32, int64_t n_rows,
                      int64_t n_experts, int64_t top_k, bool norm_topk_prob, int32_t* ids,
                      float* weights, cudaStream_t stream) {
@@ -868,10 +876,7 @@ Status moe_route_any(const uint16_t* logits, const float* logits_f32, int64_t n_
   E4KV_RETURN_IF_ERROR(
       route_params(logits, logits_f32, n_rows, n_experts, top_k, norm_topk_prob, ids, weights, &p));
   if (n_rows == 0) return ok_status();
-  const auto blocks = unsigned((n_rows + kRouteWarps - 1) / kRouteWarps);
-  const size_t smem = size_t(kRouteWarps) * size_t(n_experts) * sizeof(float);  // <= 16 KB
-  launch_kernel(moe_route_kernel, LaunchDims{dim3(blocks), dim3(kRouteWarps * 32), smem}, stream,
-                p);
+  launch_route(p, stream);
   return ok_status();
 }
 
@@ -1018,12 +1023,7 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
   }
   const bool route_in_group =
       route != nullptr && n_rows <= kRouteGroupMaxRows && pass_rows >= n_rows;
-  if (route != nullptr && !route_in_group) {
-    const auto blocks = unsigned((n_rows + kRouteWarps - 1) / kRouteWarps);
-    const size_t smem = size_t(kRouteWarps) * size_t(n_experts) * sizeof(float);
-    launch_kernel(moe_route_kernel, LaunchDims{dim3(blocks), dim3(kRouteWarps * 32), smem}, stream,
-                  *route);
-  }
+  if (route != nullptr && !route_in_group) launch_route(*route, stream);
 
   auto* base = static_cast<unsigned char*>(workspace);
   for (int64_t r0 = 0; r0 < n_rows; r0 += pass_rows) {
