@@ -17,6 +17,7 @@ ROUND_SECONDS=${ROUND_SECONDS:-290} TESTS_SECONDS=${TESTS_SECONDS:-150} \
 echo "=== short round done at $(($(date +%s) - T0)) s"
 grep -E "^=== |PASSED|FAILED|rc=" "$OUT/short_round.txt" | head -30
 tail -25 "$OUT/short_round.txt"
+echo "--- serve load:"; cat "$OUT/serve_load.json" 2>/dev/null
 if [ "$(left)" -gt 150 ]; then
   PROFILE=0 BATCHES=${AB_BATCHES:-1} LIMIT_EACH=$((($(left) - 20) / 2)) scripts/gpu_ab_qwen4exp.sh \
     >"$OUT/ab.txt" 2>&1
@@ -29,6 +30,5 @@ if [ "$(left)" -gt 100 ]; then
   head -30 "$OUT/step_kernels.txt" 2>/dev/null
 fi
 # Only the archive stays in $OUT: a call brings back its first few files, by name.
-tar -C "$OUT" --exclude=all.tgz -czf /tmp/all.tgz . && find "$OUT" -mindepth 1 -delete &&
-  mv /tmp/all.tgz "$OUT/all.tgz"
+scripts/gpu_pack_out.sh "$OUT"
 ls "$OUT"

@@ -63,6 +63,5 @@ if { [ "$PART" = all ] || [ "$PART" = prefill ]; } && [ "$(left)" -gt 90 ]; then
   sed -n '/prefill, last chunk/,$p' "$OUT/prefill_profile.log"
 fi
 # Only the archive stays in $OUT: a call brings back its first few files, by name.
-tar -C "$OUT" --exclude=all.tgz -czf /tmp/all.tgz . && find "$OUT" -mindepth 1 -delete &&
-  mv /tmp/all.tgz "$OUT/all.tgz"
+scripts/gpu_pack_out.sh "$OUT"
 ls "$OUT"
