@@ -7,7 +7,10 @@
 // time_ms (bench_timing.cuh). The speedup column is cuBLAS FP16 time / quantized time at the same
 // shape and rows (the decode target for 4-bit weights is about 4x at 1 row). From 4 rows also
 // the CUDA backend's long-input path: the weight dequantized to FP16 in 32 MB slices of rows,
-// each followed by a cuBLAS GEMM (cuda_backend.cu, kQuantDequantMinRows).
+// each followed by a cuBLAS GEMM (cuda_backend.cu, kQuantDequantMinRows). AWQ W4 (groups 128 and
+// 32) also runs quant_w4_mma.cuh's kernel in every CTA tile: the "ms" column is then the register
+// kernels (QuantLinearPath::kRegisters), "mma" the tile quant_linear picks, "best tile" the
+// fastest of them.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -19,6 +22,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/quant_linear.cuh"
+#include "backend/cuda/quant_w4_mma.cuh"
 #include "bench_data.cuh"
 #include "bench_timing.cuh"
 #include "quant/linear_view.h"
@@ -58,6 +62,11 @@ struct Measurement {
   double tbs;
   double cublas_ms;
   double dequant_ms;  // dequantize to FP16 + cuBLAS, as the backend from kQuantDequantMinRows rows
+  int group;
+  double mma_ms;           // W4: the mma kernel, the tile kAuto picks (0: not run)
+  std::string tile_times;  // W4: every tile's time, "8x16:0.0123,..."
+  std::string best_tile;
+  double best_tile_ms;
 };
 
 // Copies of a weight's planes, rotated per launch.
@@ -88,12 +97,12 @@ void* alloc(size_t bytes) {
 }
 
 // Planes of `format` for [out, in] with plausible values (no NaN codes, zero points 8).
-void make_planes(Planes& planes, WeightFormat format, int64_t out, int64_t in) {
+void make_planes(Planes& planes, WeightFormat format, int64_t out, int64_t in, int64_t group) {
   LinearView& v = planes.base;
   v.format = format;
   v.out = out;
   v.in = in;
-  v.group = format == WeightFormat::kNvfp4 ? 16 : 128;
+  v.group = format == WeightFormat::kNvfp4 ? 16 : group;
   const size_t data_bytes = size_t(out * v.data_row_bytes());
   const size_t scale_bytes = size_t(out * v.scale_row_bytes());
   const size_t zero_bytes = format == WeightFormat::kW4 ? size_t(out * (in / v.group)) : 0;
@@ -133,11 +142,16 @@ int main(int argc, char** argv) {
                           {"down_proj", 4096, 14336}};
   struct Plan {
     WeightFormat format;
+    int64_t group;
     std::vector<int64_t> rows;
   };
-  const Plan plans[] = {{WeightFormat::kW4, {1, 4, 16, 64, 256}},
-                        {WeightFormat::kNvfp4, {1, 16, 256}},
-                        {WeightFormat::kFp8Block, {1, 16, 256}}};
+  const Plan plans[] = {{WeightFormat::kW4, 128, {1, 4, 8, 16, 32, 64, 128, 256}},
+                        {WeightFormat::kW4, 32, {1, 4, 16, 64, 256}},
+                        {WeightFormat::kNvfp4, 16, {1, 16, 256}},
+                        {WeightFormat::kFp8Block, 128, {1, 16, 256}}};
+  const cuda::W4MmaTile tiles[] = {cuda::W4MmaTile::k8x16,  cuda::W4MmaTile::k8x64,
+                                   cuda::W4MmaTile::k16x32, cuda::W4MmaTile::k16x64,
+                                   cuda::W4MmaTile::k32x64, cuda::W4MmaTile::k64x64};
   const double copy_tbs = copy_bandwidth_tbs();
   std::printf("device-to-device copy: %.2f TB/s\n", copy_tbs);
 
@@ -168,17 +182,42 @@ int main(int argc, char** argv) {
       const std::string name(weight_format_name(plan.format));
       if (name.find(format_filter) == std::string::npos) continue;
       Planes planes;
-      make_planes(planes, plan.format, s.out, s.in);
+      make_planes(planes, plan.format, s.out, s.in, plan.group);
+      const bool w4 = plan.format == WeightFormat::kW4;
       for (int64_t rows : plan.rows) {
         int call = 0;
-        const float ms = time_ms([&] {
-          const Status st =
-              cuda::quant_linear(x, planes.view(call++), nullptr, rows, y, false, nullptr);
+        const auto check = [](const Status& st) {
           if (!st.ok()) {
             std::fprintf(stderr, "%s\n", st.message().c_str());
             std::exit(1);
           }
+        };
+        const float ms = time_ms([&] {
+          check(cuda::quant_linear(x, planes.view(call++), nullptr, rows, y, false, nullptr,
+                                   cuda::QuantLinearPath::kRegisters));
         });
+        float mma_ms = 0.0f;
+        std::string tile_times;
+        std::string best_tile;
+        float best_tile_ms = 0.0f;
+        if (w4 && cuda::w4_mma_supported(planes.base, x)) {
+          mma_ms = time_ms([&] {
+            check(cuda::quant_linear_w4_mma(x, planes.view(call++), nullptr, rows, y, false,
+                                            nullptr));
+          });
+          for (cuda::W4MmaTile tile : tiles) {
+            const float t_ms = time_ms([&] {
+              check(cuda::quant_linear_w4_mma(x, planes.view(call++), nullptr, rows, y, false,
+                                              nullptr, tile));
+            });
+            tile_times +=
+                cat(tile_times.empty() ? "" : ",", cuda::w4_mma_tile_name(tile), ":", t_ms);
+            if (best_tile.empty() || t_ms < best_tile_ms) {
+              best_tile = cuda::w4_mma_tile_name(tile);
+              best_tile_ms = t_ms;
+            }
+          }
+        }
         int dense_call = 0;
         const float alpha = 1.0f;
         const float beta = 0.0f;
@@ -212,14 +251,21 @@ int main(int argc, char** argv) {
         const double bytes =
             double(planes.base.bytes()) + double(rows) * double(s.in + s.out) * 2.0;
         results.push_back({name, s.name, s.out, s.in, rows, ms, bytes, bytes / (ms * 1e-3) / 1e12,
-                           cublas_ms, dequant_ms});
+                           cublas_ms, dequant_ms, int(planes.base.group), mma_ms, tile_times,
+                           best_tile, best_tile_ms});
         const Measurement& m = results.back();
         std::printf(
-            "%-10s %-13s %6lldx%-6lld rows %4lld  %8.4f ms  %6.3f TB/s  cuBLAS FP16 %8.4f ms"
-            "  speedup %5.2fx  dequant+cuBLAS %8.4f ms (%5.2fx)\n",
-            m.format.c_str(), m.shape.c_str(), (long long)m.out, (long long)m.in, (long long)m.rows,
-            m.ms, m.tbs, m.cublas_ms, m.cublas_ms / m.ms, m.dequant_ms,
+            "%-10s g%-3d %-13s %6lldx%-6lld rows %4lld  %8.4f ms  %6.3f TB/s  cuBLAS FP16 %8.4f ms"
+            "  speedup %5.2fx  dequant+cuBLAS %8.4f ms (%5.2fx)",
+            m.format.c_str(), m.group, m.shape.c_str(), (long long)m.out, (long long)m.in,
+            (long long)m.rows, m.ms, m.tbs, m.cublas_ms, m.cublas_ms / m.ms, m.dequant_ms,
             m.dequant_ms > 0 ? m.cublas_ms / m.dequant_ms : 0.0);
+        if (m.mma_ms > 0) {
+          std::printf("  mma %8.4f ms (%5.2fx, %6.3f TB/s)  best tile %s %8.4f ms (%5.2fx)",
+                      m.mma_ms, m.cublas_ms / m.mma_ms, m.bytes / (m.mma_ms * 1e-3) / 1e12,
+                      m.best_tile.c_str(), m.best_tile_ms, m.cublas_ms / m.best_tile_ms);
+        }
+        std::printf("\n");
       }
     }
     for (void* d : dense) cudaFree(d);
@@ -240,9 +286,12 @@ int main(int argc, char** argv) {
     std::fprintf(f,
                  "    {\"format\": \"%s\", \"shape\": \"%s\", \"out\": %lld, \"in\": %lld, "
                  "\"rows\": %lld, \"ms\": %.6f, \"bytes\": %.0f, \"tbs\": %.4f, "
-                 "\"cublas_f16_ms\": %.6f, \"dequant_cublas_ms\": %.6f}%s\n",
+                 "\"cublas_f16_ms\": %.6f, \"dequant_cublas_ms\": %.6f, \"group\": %d, "
+                 "\"mma_ms\": %.6f, \"mma_tiles\": \"%s\", \"best_tile\": \"%s\", "
+                 "\"best_tile_ms\": %.6f}%s\n",
                  m.format.c_str(), m.shape.c_str(), (long long)m.out, (long long)m.in,
-                 (long long)m.rows, m.ms, m.bytes, m.tbs, m.cublas_ms, m.dequant_ms,
+                 (long long)m.rows, m.ms, m.bytes, m.tbs, m.cublas_ms, m.dequant_ms, m.group,
+                 m.mma_ms, m.tile_times.c_str(), m.best_tile.c_str(), m.best_tile_ms,
                  i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "  ]\n}\n");

@@ -28,11 +28,14 @@
 // is above the bound for every K used here (K <= 4096: 2 (K + 8) 2^-24 <= 5e-4 of A). The
 // dequantized path rounds each weight to FP16 once more (|w16 - w| <= 2^-11 |w|): its fp32 bound
 // adds 2^-11 sum_k |w x|.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +43,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/quant_linear.cuh"
+#include "backend/cuda/quant_w4_mma.cuh"
 #include "core/half.h"
 #include "cuda/quant_data.h"
 #include "cuda/require_gpu.h"
@@ -99,10 +103,21 @@ class QuantLinearCuda : public ::testing::Test {
   }
 
   // y of the CUDA backend, widened to fp32 when FP16.
+  // How one path issues y = x w^T + bias on device pointers.
+  using Issue = std::function<Status(const void* x, const void* bias, void* y)>;
+
   std::vector<float> gpu_linear(Backend& gpu, const test::BackendQuantWeight& w,
                                 const std::vector<uint16_t>& x, const std::vector<uint16_t>* bias,
                                 int64_t n, DType y_dtype) {
-    const int64_t out = w.view().out;
+    return gpu_linear(gpu, w.view().out, x, bias, n, y_dtype,
+                      [&](const void* d_x, const void* d_bias, void* d_y) {
+                        return gpu.linear(d_x, w.view(), d_bias, n, d_y, y_dtype);
+                      });
+  }
+
+  std::vector<float> gpu_linear(Backend& gpu, int64_t out, const std::vector<uint16_t>& x,
+                                const std::vector<uint16_t>* bias, int64_t n, DType y_dtype,
+                                const Issue& issue) {
     auto d_x = test::upload_bytes(gpu, x.data(), x.size() * 2);
     EXPECT_TRUE(d_x.ok()) << d_x.message();
     BackendBuffer d_bias;
@@ -122,9 +137,13 @@ class QuantLinearCuda : public ::testing::Test {
     }
     auto d_y = test::upload_bytes(gpu, poison.data(), y_bytes);
     EXPECT_TRUE(d_y.ok()) << d_y.message();
-    const Status st = gpu.linear(d_x->data(), w.view(), bias != nullptr ? d_bias.data() : nullptr,
-                                 n, d_y->data(), y_dtype);
+    // The paths run on other streams (the second backend's, the legacy default stream of the
+    // direct kernel calls): the device waits around the issue.
+    gpu.synchronize();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Status st = issue(d_x->data(), bias != nullptr ? d_bias.data() : nullptr, d_y->data());
     EXPECT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<float> y(size_t(n * out));
     if (y_dtype == DType::kF32) {
       gpu.copy_to_host(y.data(), d_y->data(), y_bytes);
@@ -136,7 +155,57 @@ class QuantLinearCuda : public ::testing::Test {
     return y;
   }
 
-  void run_case(const LinearCase& c) {
+  // One path of the GPU's: its name, how it issues, and whether it rounds every weight to FP16
+  // first (the dequantize-and-cuBLAS path, the W4 mma kernel).
+  struct Path {
+    std::string name;
+    Issue issue;
+    bool fp16_weights;
+  };
+
+  // The paths run_case checks at n rows: both backends' linear (what the model runs), and for an
+  // AWQ weight the two kernel families called directly, each W4 mma tile where it takes w.
+  std::vector<Path> paths(const test::BackendQuantWeight& w, int64_t n, DType y_dtype,
+                          bool every_tile) {
+    const LinearView view = w.view();
+    alignas(16) static const uint16_t probe[8] = {};
+    const bool mma = cuda::w4_mma_supported(view, probe);
+    const bool y_f32 = y_dtype == DType::kF32;
+    std::vector<Path> out;
+    for (Backend* gpu : {gpu_.get(), kernels_.get()}) {
+      const bool dequantized =
+          gpu == gpu_.get() && n >= cuda::kQuantDequantMinRows && !(mma && n < cuda::kW4MmaMaxRows);
+      out.push_back({gpu == gpu_.get() ? "backend linear" : "backend linear, no scratch",
+                     [gpu, view, n, y_dtype](const void* x, const void* bias, void* y) {
+                       return gpu->linear(x, view, bias, n, y, y_dtype);
+                     },
+                     dequantized || mma});
+    }
+    if (view.format != WeightFormat::kW4) return out;
+    out.push_back({"register kernels",
+                   [view, n, y_f32](const void* x, const void* bias, void* y) {
+                     return cuda::quant_linear(static_cast<const uint16_t*>(x), view,
+                                               static_cast<const uint16_t*>(bias), n, y, y_f32,
+                                               nullptr, cuda::QuantLinearPath::kRegisters);
+                   },
+                   false});
+    if (!mma || !every_tile) return out;
+    for (cuda::W4MmaTile tile :
+         {cuda::W4MmaTile::k8x16, cuda::W4MmaTile::k8x64, cuda::W4MmaTile::k16x32,
+          cuda::W4MmaTile::k16x64, cuda::W4MmaTile::k32x64, cuda::W4MmaTile::k64x64}) {
+      out.push_back({cat("W4 mma tile ", cuda::w4_mma_tile_name(tile)),
+                     [view, n, y_f32, tile](const void* x, const void* bias, void* y) {
+                       return cuda::quant_linear_w4_mma(static_cast<const uint16_t*>(x), view,
+                                                        static_cast<const uint16_t*>(bias), n, y,
+                                                        y_f32, nullptr, tile);
+                     },
+                     true});
+    }
+    return out;
+  }
+
+  void run_case(const LinearCase& c, std::initializer_list<int64_t> rows = {1, 3, 16, 17, 64},
+                bool every_tile = false) {
     SCOPED_TRACE(describe(c));
     const HostQuantWeight w =
         test::random_quant_weight(c.format, c.out, c.in, c.group, c.zeros, c.seed);
@@ -144,14 +213,15 @@ class QuantLinearCuda : public ::testing::Test {
     auto d_w = test::upload(*gpu_, w);
     ASSERT_TRUE(d_w.ok()) << d_w.message();
     const std::vector<uint16_t> bias = test::random_f16(c.seed + 1, size_t(c.out), -0.5f, 0.5f);
-    const int64_t rows[] = {1, 3, 16, 17, 64};
     for (int64_t n : rows) {
       const std::vector<uint16_t> x =
           test::random_f16(c.seed + 2 + uint64_t(n), size_t(n * c.in), -1.0f, 1.0f);
       const std::vector<float> xf = test::widen(x);
-      // A[r, o] = sum_k |w x| (the bias is added per combination below).
+      // A[r, o] = sum_k |w x| (the bias is added per combination below); X[r] = sum_k |x|.
       std::vector<double> magnitude(size_t(n * c.out), 0.0);
+      std::vector<double> x_sum(size_t(n), 0.0);
       for (int64_t r = 0; r < n; ++r) {
+        for (int64_t k = 0; k < c.in; ++k) x_sum[size_t(r)] += std::fabs(xf[size_t(r * c.in + k)]);
         for (int64_t o = 0; o < c.out; ++o) {
           double a = 0.0;
           for (int64_t k = 0; k < c.in; ++k) {
@@ -165,13 +235,14 @@ class QuantLinearCuda : public ::testing::Test {
         const DType y_dtype = (combo & 2) != 0 ? DType::kF16 : DType::kF32;
         SCOPED_TRACE(cat("n ", n, with_bias ? " bias" : "", " y ", dtype_name(y_dtype)));
         const std::vector<float> ref = cpu_linear(w, x, with_bias ? &bias : nullptr, n);
-        for (Backend* gpu : {gpu_.get(), kernels_.get()}) {
-          // From kQuantDequantMinRows rows gpu_ dequantizes the weight to FP16 and multiplies with
-          // cuBLAS: each weight rounded once more, |w16 - w| <= 2^-11 |w|, adds up to 2^-11 A.
-          const bool dequantized = gpu == gpu_.get() && n >= cuda::kQuantDequantMinRows;
-          SCOPED_TRACE(dequantized ? "dequantized + cuBLAS" : "quantized kernels");
+        for (const Path& path : paths(*d_w, n, y_dtype, every_tile)) {
+          // A path that rounds each weight to FP16 first (from kQuantDequantMinRows rows gpu_
+          // dequantizes to FP16 and multiplies with cuBLAS; the W4 mma kernel decodes into FP16
+          // fragments): |w16 - w| <= 2^-11 |w| + 2^-25 adds up to 2^-11 A + 2^-25 X.
+          const bool dequantized = path.fp16_weights;
+          SCOPED_TRACE(path.name);
           const std::vector<float> got =
-              gpu_linear(*gpu, *d_w, x, with_bias ? &bias : nullptr, n, y_dtype);
+              gpu_linear(*gpu_, c.out, x, with_bias ? &bias : nullptr, n, y_dtype, path.issue);
           int64_t n_bad = 0;
           for (int64_t r = 0; r < n; ++r) {
             for (int64_t o = 0; o < c.out; ++o) {
@@ -179,7 +250,8 @@ class QuantLinearCuda : public ::testing::Test {
               const double a =
                   magnitude[i] + (with_bias ? std::fabs(double(f16_to_f32(bias[size_t(o)]))) : 0.0);
               const double b32 =
-                  2.0 * double(c.in + 8) * kU32 * a + (dequantized ? kU16 * magnitude[i] : 0.0);
+                  2.0 * double(c.in + 8) * kU32 * a +
+                  (dequantized ? kU16 * magnitude[i] + kF16HalfSpacing * x_sum[size_t(r)] : 0.0);
               const double bound =
                   y_dtype == DType::kF32
                       ? b32
@@ -209,6 +281,17 @@ TEST_F(QuantLinearCuda, AwqW4) {
   run_case({WeightFormat::kW4, 24, 4096, 128, true, 14});        // a Llama row length
   // 4200 rows of 4096: two slices of the backend's 32 MB dequantization scratch (4096 + 104).
   run_case({WeightFormat::kW4, 4200, 4096, 128, true, 15});
+}
+
+// The W4 mma kernel (quant_w4_mma.cuh) in each of its CTA tiles: groups 32, 64 and 128, zero
+// points on and off, out not a multiple of 16 or 64, in of 3 and 17 chunks of 128 (a last block
+// the 4-warp reduction split only partly fills), x rows that fill no tile, one tile, and several.
+TEST_F(QuantLinearCuda, AwqW4MmaEveryTile) {
+  const std::initializer_list<int64_t> rows = {1, 5, 8, 9, 24, 33, 64, 70};
+  run_case({WeightFormat::kW4, 83, 384, 32, true, 61}, rows, true);
+  run_case({WeightFormat::kW4, 64, 384, 64, false, 62}, rows, true);
+  run_case({WeightFormat::kW4, 150, 2176, 128, true, 63}, rows, true);
+  run_case({WeightFormat::kW4, 16, 2048, 32, true, 64}, {1, 130}, true);
 }
 
 TEST_F(QuantLinearCuda, Nvfp4) {

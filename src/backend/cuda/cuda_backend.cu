@@ -33,6 +33,7 @@
 #include "backend/cuda/qsa_topk.cuh"
 #include "backend/cuda/quant_linear.cuh"
 #include "backend/cuda/quant_moe.cuh"
+#include "backend/cuda/quant_w4_mma.cuh"
 #include "backend/cuda/sampling.cuh"
 #include "core/half.h"
 #include "core/norm_rope.h"
@@ -340,7 +341,8 @@ class CudaBackend final : public Backend, public StepProfiler {
       return Status::error("cuda linear: the output must be F16 or F32");
     }
     if (w.dense()) return linear(x, w.data, bias, n, w.in, w.out, y, y_dtype);
-    if (n >= cuda::kQuantDequantMinRows && dequant_scratch_ready()) {
+    const bool w4_mma = n < cuda::kW4MmaMaxRows && cuda::w4_mma_supported(w, x);
+    if (n >= cuda::kQuantDequantMinRows && !w4_mma && dequant_scratch_ready()) {
       return linear_dequantized(x, w, bias, n, y, y_dtype);
     }
     return cuda::quant_linear(h(x), w, h(bias), n, y, y_dtype == DType::kF32, stream_);

@@ -32,6 +32,7 @@
 #include "backend/cuda/e4m3_vec.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/quant_gemv.cuh"
+#include "backend/cuda/quant_w4_mma.cuh"
 
 namespace e4kv::cuda {
 namespace {
@@ -524,9 +525,13 @@ Status quant_weight_supported(const LinearView& w, std::string_view op) {
 }
 
 Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias, int64_t n,
-                    void* y, bool y_f32, cudaStream_t stream) {
+                    void* y, bool y_f32, cudaStream_t stream, QuantLinearPath path) {
   if (w.format == WeightFormat::kDense) {
     return Status::error("cuda linear_quantized: a dense weight goes through linear (cuBLAS)");
+  }
+  if (path == QuantLinearPath::kW4Mma ||
+      (path == QuantLinearPath::kAuto && w4_mma_supported(w, x))) {
+    return quant_linear_w4_mma(x, w, bias, n, y, y_f32, stream);
   }
   E4KV_RETURN_IF_ERROR(quant_weight_supported(w, "cuda linear"));
   if (n < 0) return Status::error(cat("cuda linear: n=", n, " rows"));

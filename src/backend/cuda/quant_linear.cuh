@@ -32,8 +32,15 @@ bool quant_weight_fast_path(const LinearView& w);
 // y[n, w.out] = x[n, w.in] dequant(w)^T + bias. x: FP16, 8-byte aligned; bias: [w.out] FP16 or
 // nullptr; y: FP16 or, with y_f32, fp32. w: kW4, kNvfp4 or kFp8Block in device memory.
 // Errors: a weight quant_weight_supported refuses, a misaligned x, n < 0.
+// Which kernels quant_linear runs: kAuto takes quant_w4_mma.cuh's for an AWQ weight it supports
+// and the kernels of this file otherwise; kRegisters always this file's (the GEMV up to 16 rows,
+// the shared-memory tensor-core tiles above), kW4Mma always the fragment-decoding kernel (an
+// error where it does not take the weight). The choice exists for the benchmark and the tests.
+enum class QuantLinearPath { kAuto, kRegisters, kW4Mma };
+
 Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias, int64_t n,
-                    void* y, bool y_f32, cudaStream_t stream);
+                    void* y, bool y_f32, cudaStream_t stream,
+                    QuantLinearPath path = QuantLinearPath::kAuto);
 
 // Rows from which the CUDA backend's linear dequantizes the weight to FP16 (in slices of output
 // rows through a fixed scratch) and multiplies with cuBLAS, as vLLM's AWQ layer does for long
@@ -42,6 +49,9 @@ Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias
 // 2 bytes written and read per weight beside cuBLAS's own FP16 read (bench/RESULTS.md measures
 // both against cuBLAS FP16).
 inline constexpr int64_t kQuantDequantMinRows = 32;
+// An AWQ weight that quant_w4_mma.cuh's kernel takes stays on it below this many rows (it reads
+// each weight once per 64 x rows and feeds the tensor cores without a dequantized copy).
+inline constexpr int64_t kW4MmaMaxRows = 128;
 
 // FP16 rows [row0, row0 + rows) of dequant(w) into out [rows, w.in] (8-byte aligned): each
 // element quant/dequantize.h's fp32 value rounded once to FP16. w: kW4, kNvfp4 or kFp8Block.
