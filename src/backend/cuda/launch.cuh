@@ -113,4 +113,26 @@ int max_active_clusters(void (*kernel)(Params...), unsigned threads, size_t smem
   return clusters;
 }
 
+// How many CTAs of `kernel` (`threads` threads, no dynamic shared memory) are resident at once on
+// the current device: its occupancy per SM times the SMs. Computed once per kernel and device
+// (host calls outside the stream: allowed while a graph is captured).
+template <class... Params>
+int resident_ctas(void (*kernel)(Params...), unsigned threads) {
+  int device = 0;
+  E4KV_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::vector<std::tuple<void (*)(Params...), int, int>> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [k, d, ctas] : known) {
+    if (k == kernel && d == device) return ctas;
+  }
+  int per_sm = 0;
+  E4KV_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, int(threads), 0));
+  int sms = 0;
+  E4KV_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int ctas = std::max(1, per_sm * sms);
+  known.emplace_back(kernel, device, ctas);
+  return ctas;
+}
+
 }  // namespace e4kv::cuda

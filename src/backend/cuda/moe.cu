@@ -547,6 +547,10 @@ __global__ void __launch_bounds__(S::kThreads)
 // stretch of its rows before using any (8 KB in flight per warp, 64 KB per CTA), the x or act rows
 // come through the read-only cache, and no barrier is taken. fp32 products and sums as the MMA
 // path (another order), the same FP16 rounding of act and the same epilogues.
+// The grid is the CTAs resident at once (occupancy x SMs, at most one item per warp) and each warp
+// walks the items (tile, weight row) strided by the grid's warps, the rows of a tile next to each
+// other: a decode step's 640 CTAs of one item per warp ran in 2.4 waves at 2 CTAs per SM, each
+// wave waiting for memory anew and the last one a third full.
 
 constexpr int kVecRows = 8;        // pairs per tile
 constexpr int kVecWarps = 8;       // warps per CTA
@@ -582,24 +586,17 @@ struct VecTile {
   int rows;
 };
 
-__device__ __forceinline__ bool vec_tile(const GemmParams& p, VecTile& t) {
-  const int tile = int(blockIdx.x);
-  if (tile >= *p.n_tiles) return false;
+__device__ __forceinline__ VecTile vec_tile(const GemmParams& p, int tile) {
+  VecTile t;
   t.expert = p.tiles[2 * tile];
   t.group_row0 = p.offsets[t.expert] + p.tiles[2 * tile + 1];
   t.rows = min(kVecRows, p.offsets[t.expert + 1] - t.group_row0);
-  return true;
+  return t;
 }
 
-// act[group row, c] = FP16(silu(x gate_c^T) * (x up_c^T)): one warp per intermediate column c.
-__global__ void __launch_bounds__(kVecWarps * 32)
-    moe_vec_gate_up_kernel(const __grid_constant__ GemmParams p) {
-  enter_dependent_grid();
-  VecTile t;
-  if (!vec_tile(p, t)) return;
-  const int lane = int(threadIdx.x) & 31;
-  const int col = int(blockIdx.y) * kVecWarps + int(threadIdx.x >> 5);
-  if (col >= p.inter) return;
+// One (tile, intermediate column) item of moe_vec_gate_up_kernel.
+__device__ __forceinline__ void moe_vec_gate_up_item(const GemmParams& p, const VecTile& t, int col,
+                                                     int lane) {
   const uint16_t* g_row = p.w + (int64_t(t.expert) * 2 * p.inter + col) * p.hidden;
   const uint16_t* u_row = g_row + int64_t(p.inter) * p.hidden;
   const uint16_t* x_rows[kVecRows];
@@ -649,15 +646,21 @@ __global__ void __launch_bounds__(kVecWarps * 32)
   }
 }
 
-// terms[pair, h] = weight * (act down_h^T): one warp per kVecDownCols hidden columns.
+// act[group row, c] = FP16(silu(x gate_c^T) * (x up_c^T)): one warp per intermediate column c.
 __global__ void __launch_bounds__(kVecWarps * 32)
-    moe_vec_down_kernel(const __grid_constant__ GemmParams p) {
+    moe_vec_gate_up_kernel(const __grid_constant__ GemmParams p) {
   enter_dependent_grid();
-  VecTile t;
-  if (!vec_tile(p, t)) return;
   const int lane = int(threadIdx.x) & 31;
-  const int col0 = (int(blockIdx.y) * kVecWarps + int(threadIdx.x >> 5)) * kVecDownCols;
-  if (col0 >= p.hidden) return;
+  const int n_items = *p.n_tiles * p.inter;
+  for (int item = int(blockIdx.x) * kVecWarps + int(threadIdx.x >> 5); item < n_items;
+       item += int(gridDim.x) * kVecWarps) {
+    moe_vec_gate_up_item(p, vec_tile(p, item / p.inter), item % p.inter, lane);
+  }
+}
+
+// One (tile, kVecDownCols hidden columns from col0) item of moe_vec_down_kernel.
+__device__ __forceinline__ void moe_vec_down_item(const GemmParams& p, const VecTile& t, int col0,
+                                                  int lane) {
   const uint16_t* w_rows[kVecDownCols];
 #pragma unroll
   for (int o = 0; o < kVecDownCols; ++o) {
@@ -708,6 +711,19 @@ __global__ void __launch_bounds__(kVecWarps * 32)
       const float v = warp_sum(acc[o][r]);
       if (lane == o && col0 + o < p.hidden) term_row[col0 + o] = weight * v;
     }
+  }
+}
+
+// terms[pair, h] = weight * (act down_h^T): one warp per kVecDownCols hidden columns.
+__global__ void __launch_bounds__(kVecWarps * 32)
+    moe_vec_down_kernel(const __grid_constant__ GemmParams p) {
+  enter_dependent_grid();
+  const int lane = int(threadIdx.x) & 31;
+  const int col_items = (p.hidden + kVecDownCols - 1) / kVecDownCols;
+  const int n_items = *p.n_tiles * col_items;
+  for (int item = int(blockIdx.x) * kVecWarps + int(threadIdx.x >> 5); item < n_items;
+       item += int(gridDim.x) * kVecWarps) {
+    moe_vec_down_item(p, vec_tile(p, item / col_items), (item % col_items) * kVecDownCols, lane);
   }
 }
 
@@ -1063,20 +1079,23 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
     gp.inter = int32_t(inter);
     gp.top_k = int32_t(top_k);
     if (vec) {
-      const auto grid_x = unsigned(max_tiles(n_pairs, n_experts, kVecRows));
+      // At most the resident CTAs, at most one item per warp of the worst-case routing.
+      const int64_t tiles_max = max_tiles(n_pairs, n_experts, kVecRows);
+      const auto grid = [&](auto kernel, int64_t items) {
+        const int64_t ctas = (tiles_max * items + kVecWarps - 1) / kVecWarps;
+        return unsigned(std::min<int64_t>(ctas, resident_ctas(kernel, kVecWarps * 32)));
+      };
       GemmParams g = gp;
       g.w = gate_up;
       launch_kernel(moe_vec_gate_up_kernel,
-                    LaunchDims{dim3(grid_x, unsigned((inter + kVecWarps - 1) / kVecWarps)),
-                               dim3(kVecWarps * 32)},
+                    LaunchDims{dim3(grid(moe_vec_gate_up_kernel, inter)), dim3(kVecWarps * 32)},
                     stream, g);
       GemmParams d = gp;
       d.a = act;
       d.w = down;
-      constexpr int64_t kDownPerCta = int64_t(kVecWarps) * kVecDownCols;
+      const int64_t down_items = (hidden + kVecDownCols - 1) / kVecDownCols;
       launch_kernel(moe_vec_down_kernel,
-                    LaunchDims{dim3(grid_x, unsigned((hidden + kDownPerCta - 1) / kDownPerCta)),
-                               dim3(kVecWarps * 32)},
+                    LaunchDims{dim3(grid(moe_vec_down_kernel, down_items)), dim3(kVecWarps * 32)},
                     stream, d);
     } else if (small) {
       launch_gemms<SmallTile>(gp, gate_up, down, n_pairs, n_experts, stream);
