@@ -505,6 +505,22 @@ class Backend {
                                    int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
                                    float* weights, int64_t n_rows, int64_t top_k, void* out,
                                    const void* shared_y, const float* shared_gate);
+  // moe_route_experts with the shared expert's MLP run among the routed experts instead of its
+  // output given: shared_gate_up [2 inter, hidden] (gate rows, then up rows) and shared_down
+  // [hidden, inter], one routed expert's shapes. The result is that of shared_y = down(silu(gate)
+  // * up) (linear, silu_mul, linear) followed by moe_route_experts(..., shared_y, shared_gate), up
+  // to the order of the projections' sums. ids, weights: [n_rows, top_k + 1] (the routed top_k,
+  // then the shared expert as expert n_experts with weight 1). Returns false, having done nothing,
+  // where the backend has no such form for these arguments (the default): the caller then takes
+  // the separate path.
+  virtual Result<bool> moe_route_experts_shared(
+      const float* /*logits*/, bool /*norm_topk_prob*/, const void* /*x*/,
+      const LinearView& /*gate_up*/, const LinearView& /*down*/, int64_t /*n_experts*/,
+      int64_t /*hidden*/, int64_t /*inter*/, int32_t* /*ids*/, float* /*weights*/,
+      int64_t /*n_rows*/, int64_t /*top_k*/, void* /*out*/, const LinearView& /*shared_gate_up*/,
+      const LinearView& /*shared_down*/, const float* /*shared_gate*/) {
+    return false;
+  }
   // out[r] += sigmoid(gate[r]) * y[r]. out, y: [n_rows, dim] act; gate: [n_rows] fp32
   virtual Status sigmoid_gated_add(void* out, const void* y, const void* gate, int64_t n_rows,
                                    int64_t dim);

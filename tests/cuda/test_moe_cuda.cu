@@ -612,6 +612,138 @@ TEST(MoeExpertsCuda, RouteInsideTheGroupingEqualsRouteThenExperts) {
   }
 }
 
+// moe_route_experts_shared_f16 (the shared expert as expert n_experts of every row, in the routed
+// experts' launches) against the separate path: the shared MLP on the host as the dense MLP
+// rounds it (FP16 gate and up sums, FP16 act, FP16 output: the values cuBLAS, silu_mul_f16 and
+// cuBLAS write, up to the order of their fp32 sums), then moe_route_f32, moe_experts_f16 and
+// sigmoid_gated_add_f16. ids and weights: the routed top_k columns bit for bit, then expert
+// n_experts with weight 1. Output: within 2^-8 of the reference's scale per element (an FP16
+// rounding flip of gate, up or the shared output moves it by about 2^-11 relative; a wrong
+// shared expert, gate or routing moves it by O(1)). Also replayed from a CUDA graph.
+TEST(MoeExpertsCuda, SharedExpertAmongTheExpertsEqualsTheSeparateMlp) {
+  if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const ExpertsCase& c : {ExpertsCase{1, 512, 256, 128, 10, Routing::kUniform, 71},
+                               ExpertsCase{3, 64, 256, 128, 8, Routing::kUniform, 72},
+                               ExpertsCase{8, 60, 128, 64, 4, Routing::kUniform, 73}}) {
+    SCOPED_TRACE(describe(c));
+    const ExpertsData d = make_experts_data(c);
+    std::mt19937 rng(c.seed);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<float> logits(size_t(c.n_rows * c.n_experts));
+    for (float& v : logits) v = normal(rng);
+    std::vector<float> gate_f(size_t(c.n_rows));
+    for (float& v : gate_f) v = normal(rng);
+    const std::vector<uint16_t> s_gate_up = random_f16(
+        c.seed * 7 + 1, size_t(2 * c.inter * c.hidden), 2.0f / std::sqrt(float(c.hidden)));
+    const std::vector<uint16_t> s_down =
+        random_f16(c.seed * 7 + 2, size_t(c.hidden * c.inter), 2.0f / std::sqrt(float(c.inter)));
+
+    // The shared MLP as the dense one rounds it.
+    const auto r16 = [](double v) { return f16_to_f32(f32_to_f16(float(v))); };
+    std::vector<float> shared_y(size_t(c.n_rows * c.hidden));
+    for (int64_t r = 0; r < c.n_rows; ++r) {
+      std::vector<float> act(size_t(c.inter));
+      for (int64_t i = 0; i < c.inter; ++i) {
+        double g = 0.0;
+        double u = 0.0;
+        for (int64_t k = 0; k < c.hidden; ++k) {
+          const double xv = f16_to_f32(d.x[size_t(r * c.hidden + k)]);
+          g += xv * f16_to_f32(s_gate_up[size_t(i * c.hidden + k)]);
+          u += xv * f16_to_f32(s_gate_up[size_t((c.inter + i) * c.hidden + k)]);
+        }
+        const float gf = r16(g);
+        act[size_t(i)] = r16(double(gf / (1.0f + std::exp(-gf)) * r16(u)));
+      }
+      for (int64_t h = 0; h < c.hidden; ++h) {
+        double y = 0.0;
+        for (int64_t i = 0; i < c.inter; ++i) {
+          y += double(act[size_t(i)]) * f16_to_f32(s_down[size_t(h * c.inter + i)]);
+        }
+        shared_y[size_t(r * c.hidden + h)] = r16(y);
+      }
+    }
+
+    DeviceBuffer<float> d_logits(logits);
+    DeviceBuffer<float> shared_gate(gate_f);
+    DeviceBuffer<uint16_t> x(d.x), gate_up(d.gate_up), down(d.down);
+    DeviceBuffer<uint16_t> d_s_gate_up(s_gate_up), d_s_down(s_down), d_shared_y(to_f16(shared_y));
+    const size_t ws_bytes =
+        moe_experts_workspace_bytes(c.n_rows, c.top_k + 1, c.n_experts + 1, c.hidden, c.inter);
+    DeviceBuffer<unsigned char> workspace(ws_bytes);
+    const size_t pairs = size_t(c.n_rows * c.top_k);
+    const size_t pairs_b = size_t(c.n_rows * (c.top_k + 1));
+    DeviceBuffer<int32_t> ids_a(pairs), ids_b(pairs_b);
+    DeviceBuffer<float> w_a(pairs), w_b(pairs_b);
+    DeviceBuffer<uint16_t> out_a(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
+    DeviceBuffer<uint16_t> out_b(std::vector<uint16_t>(size_t(c.n_rows * c.hidden), kF16Nan));
+    ASSERT_TRUE(moe_route_f32(d_logits.ptr, c.n_rows, c.n_experts, c.top_k, true, ids_a.ptr,
+                              w_a.ptr, nullptr)
+                    .ok());
+    ASSERT_TRUE(moe_experts_f16(x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter,
+                                ids_a.ptr, w_a.ptr, c.n_rows, c.top_k, out_a.ptr, workspace.ptr,
+                                ws_bytes, nullptr)
+                    .ok());
+    sigmoid_gated_add_f16(out_a.ptr, d_shared_y.ptr, shared_gate.ptr, c.n_rows, c.hidden, nullptr);
+    const auto fused = [&](cudaStream_t stream) {
+      const Status st = moe_route_experts_shared_f16(
+          d_logits.ptr, true, x.ptr, gate_up.ptr, down.ptr, c.n_experts, c.hidden, c.inter,
+          ids_b.ptr, w_b.ptr, c.n_rows, c.top_k, out_b.ptr, d_s_gate_up.ptr, d_s_down.ptr,
+          shared_gate.ptr, workspace.ptr, ws_bytes, stream);
+      EXPECT_TRUE(st.ok()) << st.message();
+    };
+    fused(nullptr);
+    E4KV_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<int32_t> ia = ids_a.to_host();
+    const std::vector<int32_t> ib = ids_b.to_host();
+    const std::vector<float> wa = w_a.to_host();
+    const std::vector<float> wb = w_b.to_host();
+    for (int64_t r = 0; r < c.n_rows; ++r) {
+      for (int64_t j = 0; j <= c.top_k; ++j) {
+        const size_t b = size_t(r * (c.top_k + 1) + j);
+        if (j < c.top_k) {
+          EXPECT_EQ(ib[b], ia[size_t(r * c.top_k + j)]) << "row " << r << " j " << j;
+          EXPECT_EQ(wb[b], wa[size_t(r * c.top_k + j)]) << "row " << r << " j " << j;
+        } else {
+          EXPECT_EQ(ib[b], c.n_experts) << "row " << r;
+          EXPECT_EQ(wb[b], 1.0f) << "row " << r;
+        }
+      }
+    }
+    const std::vector<float> ref = widen(out_a.to_host());
+    const std::vector<uint16_t> direct = out_b.to_host();
+    const std::vector<float> got = widen(direct);
+    double scale = 0.0;
+    for (float v : ref) scale = std::max(scale, double(std::fabs(v)));
+    int64_t n_bad = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double err = std::fabs(double(got[i]) - double(ref[i]));
+      if (!(err <= scale / 256.0) && n_bad++ < 5) {
+        ADD_FAILURE() << "out[" << i << "]: got " << got[i] << ", ref " << ref[i] << ", scale "
+                      << scale;
+      }
+    }
+    EXPECT_EQ(n_bad, 0) << test::compare(got, ref, 0.0, 0.0).summary();
+    EXPECT_LT(test::compare(got, ref, 0.0, 0.0).rel_l2, 2e-3);
+
+    // Replayed from a graph: the same bits.
+    cudaStream_t stream = nullptr;
+    E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    E4KV_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    fused(stream);
+    E4KV_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    E4KV_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    E4KV_CUDA_CHECK(cudaMemsetAsync(out_b.ptr, 0xFF, out_b.n * sizeof(uint16_t), stream));
+    E4KV_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    E4KV_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(out_b.to_host(), direct);
+    E4KV_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    E4KV_CUDA_CHECK(cudaGraphDestroy(graph));
+    E4KV_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
 TEST(MoeExpertsCuda, RejectsUnsupportedInputs) {
   if (device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const int64_t hidden = 64;

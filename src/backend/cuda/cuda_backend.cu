@@ -108,7 +108,8 @@ class CudaBackend final : public Backend, public StepProfiler {
       : device_(options.device),
         attention_(options.device, options.force_software_e4m3),
         hc_mix_kernels_(options.hc_mix_warp_per_slice ? cuda::HcMixKernels::kWarpPerSlice
-                                                      : cuda::HcMixKernels::kLoadFirst) {
+                                                      : cuda::HcMixKernels::kLoadFirst),
+        shared_in_experts_(!options.moe_shared_expert_separate) {
     E4KV_CUDA_CHECK(cudaSetDevice(device_));
     E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     E4KV_CUBLAS_CHECK(cublasCreate(&cublas_));
@@ -589,6 +590,38 @@ class CudaBackend final : public Backend, public StepProfiler {
                                        h(out), h(shared_y), shared_gate, moe_workspace_,
                                        moe_workspace_bytes_, stream_);
   }
+  Result<bool> moe_route_experts_shared(const float* logits, bool norm_topk_prob, const void* x,
+                                        const LinearView& gate_up, const LinearView& down,
+                                        int64_t n_experts, int64_t hidden, int64_t inter,
+                                        int32_t* ids, float* weights, int64_t n_rows, int64_t top_k,
+                                        void* out, const LinearView& shared_gate_up,
+                                        const LinearView& shared_down,
+                                        const float* shared_gate) override {
+    const auto fp16 = [](const LinearView& w) {
+      return w.format == WeightFormat::kDense && w.act_size == 2 &&
+             reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+    };
+    if (!shared_in_experts_ || n_rows < 1 || n_rows > cuda::kMoeSharedInExpertsMaxRows ||
+        n_experts + 1 > cuda::kMoeMaxExperts || !fp16(gate_up) || !fp16(down) ||
+        !fp16(shared_gate_up) || !fp16(shared_down) || shared_gate_up.out != 2 * inter ||
+        shared_gate_up.in != hidden || shared_down.out != hidden || shared_down.in != inter) {
+      return false;
+    }
+    E4KV_ASSERT(gate_up.out == n_experts * 2 * inter && gate_up.in == hidden &&
+                    down.out == n_experts * hidden && down.in == inter,
+                "moe_route_experts_shared: the expert weights do not have the stated shape");
+    const size_t bytes =
+        cuda::moe_experts_workspace_bytes(n_rows, top_k + 1, n_experts + 1, hidden, inter);
+    if (bytes > moe_workspace_bytes_ &&
+        !ensure(&moe_workspace_, &moe_workspace_bytes_, bytes, "MoE").ok()) {
+      return false;
+    }
+    E4KV_RETURN_IF_ERROR(cuda::moe_route_experts_shared_f16(
+        logits, norm_topk_prob, h(x), h(gate_up.data), h(down.data), n_experts, hidden, inter, ids,
+        weights, n_rows, top_k, h(out), h(shared_gate_up.data), h(shared_down.data), shared_gate,
+        moe_workspace_, moe_workspace_bytes_, stream_));
+    return true;
+  }
   Status moe_experts_quantized(const void* x, const LinearView& gate_up, const LinearView& down,
                                int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
                                const float* weights, int64_t n_rows, int64_t top_k,
@@ -776,6 +809,7 @@ class CudaBackend final : public Backend, public StepProfiler {
   void* cublas_workspace_ = nullptr;
   cuda::PagedAttentionRunner attention_;
   cuda::HcMixKernels hc_mix_kernels_;
+  bool shared_in_experts_;  // moe_route_experts_shared runs (CudaBackendOptions)
   bool profiling_ = false;
   bool profile_isolate_ = false;
   std::vector<ProfileMark> profile_marks_;
@@ -922,6 +956,15 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
     } else if (v != "load-first" && !v.empty()) {
       return Status::error(
           cat("E4KV_HC_MIX_KERNELS=", v, ": expected load-first or warp-per-slice (or unset)"));
+    }
+  }
+  if (const char* shared = std::getenv("E4KV_MOE_SHARED_EXPERT"); shared != nullptr) {
+    const std::string_view v(shared);
+    if (v == "separate") {
+      resolved.moe_shared_expert_separate = true;
+    } else if (v != "fused" && !v.empty()) {
+      return Status::error(
+          cat("E4KV_MOE_SHARED_EXPERT=", v, ": expected fused or separate (or unset)"));
     }
   }
   E4KV_CUDA_CHECK(cudaSetDevice(options.device));

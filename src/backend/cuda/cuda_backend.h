@@ -25,10 +25,14 @@ struct CudaBackendOptions {
   // benchmarks: the load-first pair took the batch-1 step of the Qwen4Exp benchmark checkpoint
   // from 8.06 to 7.31 ms on an H100).
   bool hc_mix_warp_per_slice = false;
+  // The MoE shared expert as its own MLP (three launches) at decode too, instead of one more pair
+  // in the routed experts' launches (Backend::moe_route_experts_shared), as
+  // E4KV_MOE_SHARED_EXPERT=separate does (for A/B benchmarks).
+  bool moe_shared_expert_separate = false;
 };
 
 // Errors: no CUDA device, `device` out of range, E4KV_HC_MIX_KERNELS set to something other than
-// load-first or warp-per-slice.
+// load-first or warp-per-slice, E4KV_MOE_SHARED_EXPERT to something other than fused or separate.
 Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& options = {});
 
 // The step profiler of a CUDA backend (CUDA events on its stream; Model::set_step_profiler);

@@ -74,8 +74,11 @@ struct RouteParams {
   int32_t n_experts;
   int32_t top_k;
   bool norm_topk_prob;
-  int32_t* ids;    // [n_rows, top_k]
-  float* weights;  // [n_rows, top_k]
+  int32_t* ids;    // [n_rows, out_k]
+  float* weights;  // [n_rows, out_k]
+  // top_k, or top_k + 1 when the shared expert runs among the experts: column top_k of every row
+  // is then expert n_experts (the shared one) with weight 1 (its gate is applied in the combine).
+  int32_t out_k;
 };
 
 // The selection order: a larger key, then a lower id. key is p, or -1 for a NaN p (p >= 0 else).
@@ -144,8 +147,11 @@ __device__ __forceinline__ void route_row(const RouteParams& p, int64_t row, flo
     my_weight = my_weight / chosen_sum;
   }
   if (lane < p.top_k) {
-    p.ids[row * p.top_k + lane] = my_id;
-    p.weights[row * p.top_k + lane] = my_weight;
+    p.ids[row * p.out_k + lane] = my_id;
+    p.weights[row * p.out_k + lane] = my_weight;
+  } else if (lane < p.out_k) {
+    p.ids[row * p.out_k + lane] = n;
+    p.weights[row * p.out_k + lane] = 1.0f;
   }
 }
 
@@ -335,7 +341,13 @@ struct GemmParams {
   float* terms;               // [n_pairs, hidden] fp32, by pair index (down output)
   int32_t hidden;
   int32_t inter;
-  int32_t top_k;
+  int32_t top_k;  // pairs per row (the shared expert's among them when it runs here)
+  // The shared expert as expert `shared_expert` (the routed experts' count; -1: none), its weights
+  // at shared_w (gate/up: [2 * inter, hidden]; down: [hidden, inter]). Its gate and up sums and
+  // its down output are rounded to FP16 as the dense MLP rounds them, and its term is not
+  // weighted (warp-per-row kernels only).
+  const uint16_t* shared_w;
+  int32_t shared_expert;
 };
 
 // c += a (16x16) * b (16x8), FP16 in, fp32 accumulate.
@@ -597,7 +609,9 @@ __device__ __forceinline__ VecTile vec_tile(const GemmParams& p, int tile) {
 // One (tile, intermediate column) item of moe_vec_gate_up_kernel.
 __device__ __forceinline__ void moe_vec_gate_up_item(const GemmParams& p, const VecTile& t, int col,
                                                      int lane) {
-  const uint16_t* g_row = p.w + (int64_t(t.expert) * 2 * p.inter + col) * p.hidden;
+  const bool shared = t.expert == p.shared_expert;
+  const uint16_t* g_row = shared ? p.shared_w + int64_t(col) * p.hidden
+                                 : p.w + (int64_t(t.expert) * 2 * p.inter + col) * p.hidden;
   const uint16_t* u_row = g_row + int64_t(p.inter) * p.hidden;
   const uint16_t* x_rows[kVecRows];
 #pragma unroll
@@ -637,8 +651,12 @@ __device__ __forceinline__ void moe_vec_gate_up_item(const GemmParams& p, const 
 #pragma unroll
   for (int r = 0; r < kVecRows; ++r) {
     if (r >= t.rows) break;
-    const float gs = warp_sum(g[r]);
-    const float us = warp_sum(u[r]);
+    float gs = warp_sum(g[r]);
+    float us = warp_sum(u[r]);
+    if (shared) {  // the dense MLP's gate/up projection writes FP16
+      gs = __half2float(__float2half_rn(gs));
+      us = __half2float(__float2half_rn(us));
+    }
     if (lane == 0) {
       p.act[int64_t(t.group_row0 + r) * p.inter + col] =
           __half_as_ushort(__float2half_rn(silu(gs) * us));
@@ -661,11 +679,13 @@ __global__ void __launch_bounds__(kVecWarps * 32)
 // One (tile, kVecDownCols hidden columns from col0) item of moe_vec_down_kernel.
 __device__ __forceinline__ void moe_vec_down_item(const GemmParams& p, const VecTile& t, int col0,
                                                   int lane) {
+  const bool shared = t.expert == p.shared_expert;
+  const uint16_t* w_base =
+      shared ? p.shared_w : p.w + int64_t(t.expert) * int64_t(p.hidden) * p.inter;
   const uint16_t* w_rows[kVecDownCols];
 #pragma unroll
   for (int o = 0; o < kVecDownCols; ++o) {
-    w_rows[o] =
-        col0 + o < p.hidden ? p.w + (int64_t(t.expert) * p.hidden + col0 + o) * p.inter : nullptr;
+    w_rows[o] = col0 + o < p.hidden ? w_base + int64_t(col0 + o) * p.inter : nullptr;
   }
   float acc[kVecDownCols][kVecRows];
 #pragma unroll
@@ -709,7 +729,9 @@ __device__ __forceinline__ void moe_vec_down_item(const GemmParams& p, const Vec
 #pragma unroll
     for (int o = 0; o < kVecDownCols; ++o) {
       const float v = warp_sum(acc[o][r]);
-      if (lane == o && col0 + o < p.hidden) term_row[col0 + o] = weight * v;
+      // The shared expert's output as the dense MLP's down projection writes it (FP16).
+      const float term = shared ? __half2float(__float2half_rn(v)) : weight * v;
+      if (lane == o && col0 + o < p.hidden) term_row[col0 + o] = term;
     }
   }
 }
@@ -741,6 +763,9 @@ struct CombineParams {
   // sigmoid_gated_add_f16 adds it to the FP16 sum: the same fp32 operations and roundings).
   const uint16_t* shared_y;  // [n_rows, hidden] FP16
   const float* shared_gate;  // [n_rows] fp32 logits
+  // The shared expert ran among the experts: its output is the FP16 value in the row's last term
+  // (pair column top_k - 1) and is added as shared_y is (shared_y null, shared_gate set).
+  bool shared_in_terms;
 };
 
 __global__ void moe_combine_kernel(const __grid_constant__ CombineParams p) {
@@ -752,7 +777,8 @@ __global__ void moe_combine_kernel(const __grid_constant__ CombineParams p) {
     const int64_t row = i / quads;
     const int64_t col = (i % quads) * 4;
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int j = 0; j < p.top_k; ++j) {
+    const int routed = p.shared_in_terms ? p.top_k - 1 : p.top_k;
+    for (int j = 0; j < routed; ++j) {
       const int64_t pair = row * p.top_k + j;
       if (unsigned(p.ids[pair]) >= unsigned(p.n_experts)) continue;
       const float4 t = *reinterpret_cast<const float4*>(p.terms + pair * p.hidden + col);
@@ -763,11 +789,20 @@ __global__ void moe_combine_kernel(const __grid_constant__ CombineParams p) {
     }
     __half2 lo = __floats2half2_rn(sum.x, sum.y);
     __half2 hi = __floats2half2_rn(sum.z, sum.w);
-    if (p.shared_y != nullptr) {
+    if (p.shared_y != nullptr || p.shared_in_terms) {
       const float g = 1.0f / (1.0f + expf(-p.shared_gate[row]));
-      const uint2 raw = *reinterpret_cast<const uint2*>(p.shared_y + row * p.hidden + col);
-      const float2 y_lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-      const float2 y_hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+      float2 y_lo;
+      float2 y_hi;
+      if (p.shared_in_terms) {
+        const float4 t =
+            *reinterpret_cast<const float4*>(p.terms + (row * p.top_k + routed) * p.hidden + col);
+        y_lo = make_float2(t.x, t.y);
+        y_hi = make_float2(t.z, t.w);
+      } else {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p.shared_y + row * p.hidden + col);
+        y_lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+        y_hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+      }
       const float2 o_lo = __half22float2(lo);
       const float2 o_hi = __half22float2(hi);
       lo = __floats2half2_rn(o_lo.x + __fmul_rn(g, y_lo.x), o_lo.y + __fmul_rn(g, y_lo.y));
@@ -874,6 +909,7 @@ Status route_params(const uint16_t* logits, const float* logits_f32, int64_t n_r
   p->norm_topk_prob = norm_topk_prob;
   p->ids = ids;
   p->weights = weights;
+  p->out_k = int32_t(top_k);
   return ok_status();
 }
 
@@ -952,10 +988,11 @@ namespace {
 // moe_combine_terms, with the shared expert's gated add when shared_y is not null.
 void combine_terms(const float* terms, const int32_t* ids, int64_t n_rows, int64_t top_k,
                    int64_t n_experts, int64_t hidden, uint16_t* out, const uint16_t* shared_y,
-                   const float* shared_gate, cudaStream_t stream) {
+                   const float* shared_gate, cudaStream_t stream, bool shared_in_terms = false) {
   CombineParams c{};
   c.shared_y = shared_y;
   c.shared_gate = shared_gate;
+  c.shared_in_terms = shared_in_terms;
   c.terms = terms;
   c.ids = ids;
   c.n_rows = n_rows;
@@ -994,8 +1031,24 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
                    int64_t n_experts, int64_t hidden, int64_t inter, const int32_t* ids,
                    const float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
                    void* workspace, size_t workspace_bytes, const RouteParams* route,
-                   const uint16_t* shared_y, const float* shared_gate, cudaStream_t stream) {
+                   const uint16_t* shared_y, const float* shared_gate, cudaStream_t stream,
+                   const uint16_t* shared_gate_up = nullptr,
+                   const uint16_t* shared_down = nullptr) {
   constexpr int64_t kMaxPairs = int64_t(1) << 30;
+  // The shared expert among the experts (moe_route_experts_shared_f16): one more pair a row, as
+  // expert n_experts; ids and weights have top_k + 1 columns and the routed top_k come first.
+  const bool shared_pair = shared_gate_up != nullptr;
+  if (shared_pair) {
+    if (shared_down == nullptr || shared_y != nullptr || shared_gate == nullptr ||
+        route == nullptr || !aligned16(shared_gate_up) || !aligned16(shared_down) ||
+        n_experts + 1 > kMoeMaxExperts || n_rows > kRouteGroupMaxRows) {
+      return Status::error(
+          "cuda moe_experts: the shared expert among the experts needs both of its weights "
+          "(16-byte aligned), its gate, the router, at most 8 rows and n_experts < 1024");
+    }
+    ++top_k;
+    ++n_experts;
+  }
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   if (n_experts < 1 || n_experts > kMoeMaxExperts || hidden < 8 || hidden % 8 != 0 ||
       hidden > kMaxDim || inter < 8 || inter % 8 != 0 || inter > kMaxDim || top_k < 1 ||
@@ -1058,7 +1111,7 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
     // 8 pairs; up to 32: 16-pair MMA tiles, so the weights are split over many CTAs; otherwise
     // 64-pair tiles reuse each weight tile 64 times.
     const int64_t groups = std::min(n_pairs, n_experts);
-    const bool vec = n_pairs <= kVecMaxPairsPerExpert * groups;
+    const bool vec = n_pairs <= kVecMaxPairsPerExpert * groups || shared_pair;
     const bool small = n_pairs < 32 * groups;
     const int tile_rows = vec ? kVecRows : small ? SmallTile::kRows : LargeTile::kRows;
 
@@ -1078,6 +1131,7 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
     gp.hidden = int32_t(hidden);
     gp.inter = int32_t(inter);
     gp.top_k = int32_t(top_k);
+    gp.shared_expert = -1;
     if (vec) {
       // At most the resident CTAs, at most one item per warp of the worst-case routing.
       const int64_t tiles_max = max_tiles(n_pairs, n_experts, kVecRows);
@@ -1085,14 +1139,17 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
         const int64_t ctas = (tiles_max * items + kVecWarps - 1) / kVecWarps;
         return unsigned(std::min<int64_t>(ctas, resident_ctas(kernel, kVecWarps * 32)));
       };
+      if (shared_pair) gp.shared_expert = int32_t(n_experts - 1);
       GemmParams g = gp;
       g.w = gate_up;
+      g.shared_w = shared_gate_up;
       launch_kernel(moe_vec_gate_up_kernel,
                     LaunchDims{dim3(grid(moe_vec_gate_up_kernel, inter)), dim3(kVecWarps * 32)},
                     stream, g);
       GemmParams d = gp;
       d.a = act;
       d.w = down;
+      d.shared_w = shared_down;
       const int64_t down_items = (hidden + kVecDownCols - 1) / kVecDownCols;
       launch_kernel(moe_vec_down_kernel,
                     LaunchDims{dim3(grid(moe_vec_down_kernel, down_items)), dim3(kVecWarps * 32)},
@@ -1103,9 +1160,9 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
       launch_gemms<LargeTile>(gp, gate_up, down, n_pairs, n_experts, stream);
     }
 
-    combine_terms(terms, pass_ids, rows, top_k, n_experts, hidden, out + r0 * hidden,
-                  shared_y != nullptr ? shared_y + r0 * hidden : nullptr,
-                  shared_gate != nullptr ? shared_gate + r0 : nullptr, stream);
+    combine_terms(terms, pass_ids, rows, top_k, shared_pair ? n_experts - 1 : n_experts, hidden,
+                  out + r0 * hidden, shared_y != nullptr ? shared_y + r0 * hidden : nullptr,
+                  shared_gate != nullptr ? shared_gate + r0 : nullptr, stream, shared_pair);
   }
   return ok_status();
 }
@@ -1137,6 +1194,26 @@ Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uin
                                     weights, &route));
   return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
                      workspace, workspace_bytes, &route, shared_y, shared_gate, stream);
+}
+
+Status moe_route_experts_shared_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
+                                    const uint16_t* gate_up, const uint16_t* down,
+                                    int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
+                                    float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
+                                    const uint16_t* shared_gate_up, const uint16_t* shared_down,
+                                    const float* shared_gate, void* workspace,
+                                    size_t workspace_bytes, cudaStream_t stream) {
+  static_assert(kMoeSharedInExpertsMaxRows == kRouteGroupMaxRows);
+  if (shared_gate_up == nullptr || shared_down == nullptr || shared_gate == nullptr) {
+    return Status::error("cuda moe_route_experts_shared: the shared expert's weights and gate");
+  }
+  RouteParams route;
+  E4KV_RETURN_IF_ERROR(route_params(nullptr, logits, n_rows, n_experts, top_k, norm_topk_prob, ids,
+                                    weights, &route));
+  route.out_k = int32_t(top_k + 1);
+  return experts_f16(x, gate_up, down, n_experts, hidden, inter, ids, weights, n_rows, top_k, out,
+                     workspace, workspace_bytes, &route, nullptr, shared_gate, stream,
+                     shared_gate_up, shared_down);
 }
 
 }  // namespace e4kv::cuda

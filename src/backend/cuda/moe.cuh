@@ -72,6 +72,24 @@ Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uin
                              const float* shared_gate, void* workspace, size_t workspace_bytes,
                              cudaStream_t stream);
 
+// moe_route_experts_f16 with the shared expert's MLP run among the routed experts instead of its
+// output given: its weights shared_gate_up [2 inter, hidden] (gate rows, then up rows) and
+// shared_down [hidden, inter] FP16 (16-byte aligned), its gate logits shared_gate [n_rows] fp32.
+// It is one more pair of every row (expert n_experts, ids and weights [n_rows, top_k + 1]: the
+// routed top_k, then n_experts with weight 1), its gate and up sums, act and output rounded to
+// FP16 where the dense MLP (gate/up linear, silu_mul, down linear) rounds them, then added as
+// sigmoid_gated_add adds shared_y: the separate path's result up to the order of the projections'
+// sums. Decode steps only: n_rows <= 8, n_experts + 1 <= kMoeMaxExperts.
+Status moe_route_experts_shared_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
+                                    const uint16_t* gate_up, const uint16_t* down,
+                                    int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
+                                    float* weights, int64_t n_rows, int64_t top_k, uint16_t* out,
+                                    const uint16_t* shared_gate_up, const uint16_t* shared_down,
+                                    const float* shared_gate, void* workspace,
+                                    size_t workspace_bytes, cudaStream_t stream);
+// Rows up to which moe_route_experts_shared_f16 runs.
+inline constexpr int64_t kMoeSharedInExpertsMaxRows = 8;
+
 // The pieces of moe_experts_f16 that the quantized experts (quant_moe.cuh) share.
 // Tiles of tile_rows pairs over any routing of n_pairs pairs to n_experts experts (the grid of a
 // grouped GEMM, whose CTAs past the device tile count exit).

@@ -39,6 +39,11 @@ LinearView FusedProjection::view(size_t i) const {
   return s.weight.rows(offset_[i] - offset_[s.first], out_[i]);
 }
 
+std::optional<LinearView> FusedProjection::stacked_view() const {
+  if (stacks_.size() != 1 || bias_.data() != nullptr) return std::nullopt;
+  return stacks_[0].weight.view();
+}
+
 Status FusedProjection::forward(Backend& b, const void* x, int64_t n, void* base,
                                 DType out_dtype) const {
   const char* bias = bias_.as<char>();

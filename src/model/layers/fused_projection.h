@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -35,6 +36,9 @@ class FusedProjection {
   size_t n_stacks() const { return stacks_.size(); }
   // Part i's weight.
   LinearView view(size_t i) const;
+  // Every part's rows as one weight [total, in] where they are one stack without a bias (what one
+  // launch over all parts reads), else nothing.
+  std::optional<LinearView> stacked_view() const;
 
   // Part i of an n-row output at `base` (elements of elt bytes).
   template <class T = void>

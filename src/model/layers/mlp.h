@@ -3,13 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "backend/backend.h"
 #include "core/status.h"
-#include "model/tp_shard.h"
 #include "model/layers/fused_projection.h"
+#include "model/tp_shard.h"
 #include "model/weights.h"
 
 namespace e4kv {
@@ -32,6 +33,10 @@ class DenseMlp {
                                std::string_view intermediate_name = "intermediate_size",
                                const TpShard& tp = {});
   int64_t intermediate() const { return intermediate_; }
+  // gate_proj and up_proj as one weight [2 intermediate, hidden] (gate rows first) where they are
+  // stored so (FusedProjection::stacked_view), and down_proj [hidden, intermediate].
+  std::optional<LinearView> gate_up_view() const { return gate_up_.stacked_view(); }
+  LinearView down_view() const { return down_.view(); }
 
   // x, out: [n_rows, hidden] act.
   Status forward(Backend& backend, int64_t n_rows, const void* x, void* out,

@@ -1,7 +1,7 @@
 #include "model/layers/moe.h"
 
+#include <optional>
 #include <utility>
-
 #include <vector>
 
 #include "model/workspace.h"
@@ -14,8 +14,8 @@ Result<MoeWorkspace> MoeWorkspace::create(Backend& backend, const MoeShape& shap
   const size_t n = size_t(max_rows);
   const size_t act = backend.act_size();
   E4KV_RETURN_IF_ERROR(allocate_buffers(backend, {{&ws.logits, n * size_t(shape.n_experts + 1) * 4},
-                                                  {&ws.ids, n * size_t(shape.top_k) * 4},
-                                                  {&ws.weights, n * size_t(shape.top_k) * 4},
+                                                  {&ws.ids, n * size_t(shape.top_k + 1) * 4},
+                                                  {&ws.weights, n * size_t(shape.top_k + 1) * 4},
                                                   {&ws.shared, n * size_t(shape.hidden) * act}}));
   E4KV_ASSIGN_OR_RETURN(ws.shared_mlp, MlpWorkspace::create(backend, shape.shared_inter, max_rows));
   return ws;
@@ -84,6 +84,19 @@ Status MoeFfn::forward(Backend& b, int64_t n, const void* x, void* out, MoeWorks
   E4KV_RETURN_IF_ERROR(router_.forward(b, x, n, ws.logits.data(), DType::kF32));
   const float* logits = router_.part<float>(ws.logits.data(), n, 0, 4);
   const float* shared_gate = router_.part<float>(ws.logits.data(), n, 1, 4);
+  if (expert_count_ == s.n_experts && shared_expert_.intermediate() == s.inter) {
+    // The shared expert as one more expert of every row, where the backend does that (a decode
+    // step on CUDA: two MLP launches and its gated add fewer).
+    if (const std::optional<LinearView> shared_gate_up = shared_expert_.gate_up_view()) {
+      E4KV_ASSIGN_OR_RETURN(
+          const bool fused,
+          b.moe_route_experts_shared(logits, s.norm_topk_prob, x, gate_up_.view(), down_.view(),
+                                     s.n_experts, s.hidden, s.inter, ws.ids.as<int32_t>(),
+                                     ws.weights.as<float>(), n, s.top_k, out, *shared_gate_up,
+                                     shared_expert_.down_view(), shared_gate));
+      if (fused) return ok_status();
+    }
+  }
   E4KV_RETURN_IF_ERROR(shared_expert_.forward(b, n, x, ws.shared.data(), ws.shared_mlp));
   if (expert_count_ == s.n_experts) {
     // Every expert on this rank: the router, the experts and the shared expert's gated add in

@@ -30,7 +30,7 @@ struct MoeShape {
 
 struct MoeWorkspace {
   BackendBuffer logits;       // [rows, n_experts] then [rows] fp32: router logits, shared gate
-  BackendBuffer ids;          // [rows, top_k] int32
+  BackendBuffer ids;          // [rows, top_k + 1] int32 (the shared expert: MoeFfn::forward)
   BackendBuffer weights;      // [rows, top_k] fp32
   MlpWorkspace shared_mlp;    // the shared expert's: [rows, shared_inter] act
   BackendBuffer shared;       // [rows, hidden] act
