@@ -19,7 +19,8 @@ grep -E "^=== |PASSED|FAILED|rc=" "$OUT/short_round.txt" | head -30
 tail -25 "$OUT/short_round.txt"
 echo "--- serve load:"; cat "$OUT/serve_load.json" 2>/dev/null
 if [ "$(left)" -gt 150 ]; then
-  PROFILE=0 BATCHES=${AB_BATCHES:-1} LIMIT_EACH=$((($(left) - 20) / 2)) scripts/gpu_ab_qwen4exp.sh \
+  runs=$([ -n "${VARIANT_ENV:-}" ] && echo 3 || echo 2)  # base, new and the variant (VARIANT_ENV)
+  PROFILE=0 BATCHES=${AB_BATCHES:-1} LIMIT_EACH=$((($(left) - 20) / runs)) scripts/gpu_ab_qwen4exp.sh \
     >"$OUT/ab.txt" 2>&1
   echo "=== A/B done at $(($(date +%s) - T0)) s"
   cat "$OUT/ab.txt" | tail -60
