@@ -11,6 +11,7 @@
 #                   checkpoint in /tmp/e4kv_q4e, written when absent)
 #   PART=published  e4kv_bench_qwen4exp --published --quant awq-g32 (51.6 GB: AWQ routed experts,
 #                   the rest FP16) written to /dev/shm and run at batch 1, 4096, FP16 cache
+#                   (PUB_BATCHES, PUB_CONTEXTS, PUB_CACHE: fp16, e4m3 or both)
 #   PART=all        peers, then published, then prefill, while time is left (the default)
 # Environment: TOTAL_SECONDS (default 570).
 set -uo pipefail
@@ -45,8 +46,8 @@ if { [ "$PART" = all ] || [ "$PART" = published ]; } && [ "$(left)" -gt 120 ]; t
   free -g | tee "$OUT/published_mem.txt"
   df -h /dev/shm | tee -a "$OUT/published_mem.txt"
   timeout $(($(left) - 40)) $B/bench/e4kv_bench_qwen4exp "$OUT/published_awq.json" --published \
-    --quant awq-g32 --keep-checkpoint /dev/shm/e4kv_q4e_awq --batches 1 --contexts 4096 \
-    --cache fp16 >"$OUT/published_awq.log" 2>&1
+    --quant awq-g32 --keep-checkpoint /dev/shm/e4kv_q4e_awq --batches "${PUB_BATCHES:-1}" \
+    --contexts "${PUB_CONTEXTS:-4096}" --cache "${PUB_CACHE:-fp16}" >"$OUT/published_awq.log" 2>&1
   echo "=== published rc=$? $(($(date +%s) - t)) s"
   grep -v "^    " "$OUT/published_awq.log" | tail -30
   grep -E "in place" "$OUT/published_awq.log" | tail -12
