@@ -5,7 +5,8 @@
 # base, new, base, new on the same checkpoint, then bench/profile_step_gpu.sh (ncu, per kernel)
 # on the new binary. Logs and JSON in $OUT (ab_*.log / .json).
 # Environment: BATCHES (default 1,8), CONTEXTS (default 4096), ROUNDS (default 1: base then new),
-# VARIANT_ENV (VAR=VALUE ...: also the new binary under these, e.g.
+# SKIP_BASE=1 (the new binary and its variant only), VARIANT_ENV (VAR=VALUE ...: also the new
+# binary under these, e.g.
 # E4KV_HC_MIX_KERNELS=load-first), PROFILE (default 1), E4KV_BENCH_CKPT (default /tmp/e4kv_q4e).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -28,7 +29,7 @@ run() {  # run NAME BINARY [VAR=VALUE ...]
   grep -E "in_place|in place|total|x[0-9]+ +host|^fp16|step" "$OUT/ab_$name.log" | tail -40
 }
 for r in $(seq 1 "${ROUNDS:-1}"); do
-  run "base_$r" /tmp/e4kv_base/e4kv_bench_qwen4exp
+  [ "${SKIP_BASE:-0}" = 1 ] || run "base_$r" /tmp/e4kv_base/e4kv_bench_qwen4exp
   run "new_$r" $B/bench/e4kv_bench_qwen4exp
   # VARIANT_ENV: the new binary again under these settings (e.g. E4KV_HC_MIX_KERNELS=load-first).
   if [ -n "${VARIANT_ENV:-}" ]; then

@@ -19,7 +19,8 @@ grep -E "^=== |PASSED|FAILED|rc=" "$OUT/short_round.txt" | head -30
 tail -25 "$OUT/short_round.txt"
 echo "--- serve load:"; cat "$OUT/serve_load.json" 2>/dev/null
 if [ "$(left)" -gt 150 ]; then
-  runs=$([ -n "${VARIANT_ENV:-}" ] && echo 3 || echo 2)  # base, new and the variant (VARIANT_ENV)
+  # base (unless SKIP_BASE=1), new and the variant (VARIANT_ENV)
+  runs=$((1 + $([ "${SKIP_BASE:-0}" = 1 ] && echo 0 || echo 1) + $([ -n "${VARIANT_ENV:-}" ] && echo 1 || echo 0)))
   PROFILE=0 BATCHES=${AB_BATCHES:-1} LIMIT_EACH=$((($(left) - 20) / runs)) scripts/gpu_ab_qwen4exp.sh \
     >"$OUT/ab.txt" 2>&1
   echo "=== A/B done at $(($(date +%s) - T0)) s"
