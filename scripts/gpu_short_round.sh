@@ -31,6 +31,15 @@ t=$(date +%s)
 timeout "${TESTS_SECONDS:-80}" $B/tests/e4kv_cuda_tests --gtest_brief=1 >"$OUT/cuda_tests.log" 2>&1
 echo "=== cuda_tests rc=$? $(($(date +%s) - t)) s"
 grep -E '^\[  FAILED|Failure|PASSED|FAILED TEST' "$OUT/cuda_tests.log" | head -40
+# The opt-in paths (E4KV_MOE_SHARED_EXPERT=fused, E4KV_W4_MMA=on) under the model and quantized
+# tests: their defaults flip once these pass (SWITCHED_TESTS_SECONDS=0 skips).
+t=$(date +%s)
+E4KV_MOE_SHARED_EXPERT=fused E4KV_W4_MMA=on timeout "${SWITCHED_TESTS_SECONDS:-60}" \
+  $B/tests/e4kv_cuda_tests --gtest_brief=1 \
+  --gtest_filter='*Qwen4Exp*:*Quantized*:*QuantLinear*:*MoeFfn*:*Engine*' \
+  >"$OUT/cuda_tests_switched.log" 2>&1
+echo "=== cuda_tests (fused shared expert, W4 mma on) rc=$? $(($(date +%s) - t)) s"
+grep -E '^\[  FAILED|Failure|PASSED|FAILED TEST' "$OUT/cuda_tests_switched.log" | head -20
 
 # transformers on the quantized cases' dequantized checkpoints (CPU; unpack OUT/quant_refs.tgz and
 # copy quant_refs/CASE/reference.json into tests/data/quant/CASE/ afterwards).

@@ -191,8 +191,9 @@ class QuantLinearCuda : public ::testing::Test {
                    false});
     if (!mma || !every_tile) return out;
     for (cuda::W4MmaTile tile :
-         {cuda::W4MmaTile::k8x16, cuda::W4MmaTile::k8x64, cuda::W4MmaTile::k16x32,
-          cuda::W4MmaTile::k16x64, cuda::W4MmaTile::k32x64, cuda::W4MmaTile::k64x64}) {
+         {cuda::W4MmaTile::kAuto, cuda::W4MmaTile::k8x16, cuda::W4MmaTile::k8x64,
+          cuda::W4MmaTile::k16x32, cuda::W4MmaTile::k16x64, cuda::W4MmaTile::k32x64,
+          cuda::W4MmaTile::k64x64}) {
       out.push_back({cat("W4 mma tile ", cuda::w4_mma_tile_name(tile)),
                      [view, n, y_f32, tile](const void* x, const void* bias, void* y) {
                        return cuda::quant_linear_w4_mma(static_cast<const uint16_t*>(x), view,

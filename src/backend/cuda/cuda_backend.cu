@@ -109,7 +109,7 @@ class CudaBackend final : public Backend, public StepProfiler {
         attention_(options.device, options.force_software_e4m3),
         hc_mix_kernels_(options.hc_mix_warp_per_slice ? cuda::HcMixKernels::kWarpPerSlice
                                                       : cuda::HcMixKernels::kLoadFirst),
-        shared_in_experts_(!options.moe_shared_expert_separate) {
+        shared_in_experts_(options.moe_shared_expert_fused) {
     E4KV_CUDA_CHECK(cudaSetDevice(device_));
     E4KV_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     E4KV_CUBLAS_CHECK(cublasCreate(&cublas_));
@@ -342,7 +342,8 @@ class CudaBackend final : public Backend, public StepProfiler {
       return Status::error("cuda linear: the output must be F16 or F32");
     }
     if (w.dense()) return linear(x, w.data, bias, n, w.in, w.out, y, y_dtype);
-    const bool w4_mma = n < cuda::kW4MmaMaxRows && cuda::w4_mma_supported(w, x);
+    const bool w4_mma =
+        n < cuda::kW4MmaMaxRows && cuda::w4_mma_auto() && cuda::w4_mma_supported(w, x);
     if (n >= cuda::kQuantDequantMinRows && !w4_mma && dequant_scratch_ready()) {
       return linear_dequantized(x, w, bias, n, y, y_dtype);
     }
@@ -960,9 +961,11 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const CudaBackendOptions& opt
   }
   if (const char* shared = std::getenv("E4KV_MOE_SHARED_EXPERT"); shared != nullptr) {
     const std::string_view v(shared);
-    if (v == "separate") {
-      resolved.moe_shared_expert_separate = true;
-    } else if (v != "fused" && !v.empty()) {
+    if (v == "fused") {
+      resolved.moe_shared_expert_fused = true;
+    } else if (v == "separate") {
+      resolved.moe_shared_expert_fused = false;
+    } else if (!v.empty()) {
       return Status::error(
           cat("E4KV_MOE_SHARED_EXPERT=", v, ": expected fused or separate (or unset)"));
     }

@@ -25,10 +25,11 @@ struct CudaBackendOptions {
   // benchmarks: the load-first pair took the batch-1 step of the Qwen4Exp benchmark checkpoint
   // from 8.06 to 7.31 ms on an H100).
   bool hc_mix_warp_per_slice = false;
-  // The MoE shared expert as its own MLP (three launches) at decode too, instead of one more pair
-  // in the routed experts' launches (Backend::moe_route_experts_shared), as
-  // E4KV_MOE_SHARED_EXPERT=separate does (for A/B benchmarks).
-  bool moe_shared_expert_separate = false;
+  // At decode, the MoE shared expert as one more pair in the routed experts' launches
+  // (Backend::moe_route_experts_shared) instead of its own MLP (three launches), as
+  // E4KV_MOE_SHARED_EXPERT=fused does. Off until its first GPU round has passed its test and
+  // measured it (written 2026-12-07); E4KV_MOE_SHARED_EXPERT=separate keeps it off.
+  bool moe_shared_expert_fused = false;
 };
 
 // Errors: no CUDA device, `device` out of range, E4KV_HC_MIX_KERNELS set to something other than

@@ -530,7 +530,7 @@ Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias
     return Status::error("cuda linear_quantized: a dense weight goes through linear (cuBLAS)");
   }
   if (path == QuantLinearPath::kW4Mma ||
-      (path == QuantLinearPath::kAuto && w4_mma_supported(w, x))) {
+      (path == QuantLinearPath::kAuto && w4_mma_auto() && w4_mma_supported(w, x))) {
     return quant_linear_w4_mma(x, w, bias, n, y, y_f32, stream);
   }
   E4KV_RETURN_IF_ERROR(quant_weight_supported(w, "cuda linear"));

@@ -33,9 +33,10 @@ bool quant_weight_fast_path(const LinearView& w);
 // nullptr; y: FP16 or, with y_f32, fp32. w: kW4, kNvfp4 or kFp8Block in device memory.
 // Errors: a weight quant_weight_supported refuses, a misaligned x, n < 0.
 // Which kernels quant_linear runs: kAuto takes quant_w4_mma.cuh's for an AWQ weight it supports
-// and the kernels of this file otherwise; kRegisters always this file's (the GEMV up to 16 rows,
-// the shared-memory tensor-core tiles above), kW4Mma always the fragment-decoding kernel (an
-// error where it does not take the weight). The choice exists for the benchmark and the tests.
+// (where w4_mma_auto()) and the kernels of this file otherwise; kRegisters always this file's (the
+// GEMV up to 16 rows, the shared-memory tensor-core tiles above), kW4Mma always the
+// fragment-decoding kernel (an error where it does not take the weight). The choice exists for the
+// benchmark and the tests.
 enum class QuantLinearPath { kAuto, kRegisters, kW4Mma };
 
 Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias, int64_t n,
@@ -49,7 +50,8 @@ Status quant_linear(const uint16_t* x, const LinearView& w, const uint16_t* bias
 // 2 bytes written and read per weight beside cuBLAS's own FP16 read (bench/RESULTS.md measures
 // both against cuBLAS FP16).
 inline constexpr int64_t kQuantDequantMinRows = 32;
-// An AWQ weight that quant_w4_mma.cuh's kernel takes stays on it below this many rows (it reads
+// An AWQ weight that quant_w4_mma.cuh's kernel takes (and w4_mma_auto()) stays on it below this
+// many rows (it reads
 // each weight once per 64 x rows and feeds the tensor cores without a dequantized copy).
 inline constexpr int64_t kW4MmaMaxRows = 128;
 

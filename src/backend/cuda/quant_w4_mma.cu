@@ -32,7 +32,10 @@
 
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "backend/cuda/arch.cuh"
 #include "backend/cuda/attention_common.cuh"
@@ -317,6 +320,25 @@ const char* w4_mma_tile_name(W4MmaTile tile) {
       return "64x64";
   }
   return "?";
+}
+
+namespace {
+// -1: not yet decided (the environment is read on first use), 0 off, 1 on.
+std::atomic<int> g_w4_mma_auto{-1};
+}  // namespace
+
+bool w4_mma_auto() {
+  int v = g_w4_mma_auto.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("E4KV_W4_MMA");
+    v = env != nullptr && std::string_view(env) == "on" ? 1 : 0;
+    g_w4_mma_auto.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_w4_mma_auto(bool enabled) {
+  g_w4_mma_auto.store(enabled ? 1 : 0, std::memory_order_relaxed);
 }
 
 bool w4_mma_supported(const LinearView& w, const void* x) {
