@@ -603,9 +603,10 @@ class CudaBackend final : public Backend, public StepProfiler {
              reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
     };
     if (!shared_in_experts_ || n_rows < 1 || n_rows > cuda::kMoeSharedInExpertsMaxRows ||
-        n_experts + 1 > cuda::kMoeMaxExperts || !fp16(gate_up) || !fp16(down) ||
-        !fp16(shared_gate_up) || !fp16(shared_down) || shared_gate_up.out != 2 * inter ||
-        shared_gate_up.in != hidden || shared_down.out != hidden || shared_down.in != inter) {
+        n_experts + 1 > cuda::kMoeMaxExperts || top_k + 1 > cuda::kMoeMaxTopK || !fp16(gate_up) ||
+        !fp16(down) || !fp16(shared_gate_up) || !fp16(shared_down) ||
+        shared_gate_up.out != 2 * inter || shared_gate_up.in != hidden ||
+        shared_down.out != hidden || shared_down.in != inter) {
       return false;
     }
     E4KV_ASSERT(gate_up.out == n_experts * 2 * inter && gate_up.in == hidden &&

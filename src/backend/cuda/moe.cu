@@ -1041,10 +1041,11 @@ Status experts_f16(const uint16_t* x, const uint16_t* gate_up, const uint16_t* d
   if (shared_pair) {
     if (shared_down == nullptr || shared_y != nullptr || shared_gate == nullptr ||
         route == nullptr || !aligned16(shared_gate_up) || !aligned16(shared_down) ||
-        n_experts + 1 > kMoeMaxExperts || n_rows > kRouteGroupMaxRows) {
+        n_experts + 1 > kMoeMaxExperts || n_rows > kRouteGroupMaxRows || top_k + 1 > kMoeMaxTopK) {
       return Status::error(
           "cuda moe_experts: the shared expert among the experts needs both of its weights "
-          "(16-byte aligned), its gate, the router, at most 8 rows and n_experts < 1024");
+          "(16-byte aligned), its gate, the router, at most 8 rows, n_experts < 1024 and "
+          "top_k < 32");
     }
     ++top_k;
     ++n_experts;

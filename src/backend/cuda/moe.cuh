@@ -79,7 +79,7 @@ Status moe_route_experts_f16(const float* logits, bool norm_topk_prob, const uin
 // routed top_k, then n_experts with weight 1), its gate and up sums, act and output rounded to
 // FP16 where the dense MLP (gate/up linear, silu_mul, down linear) rounds them, then added as
 // sigmoid_gated_add adds shared_y: the separate path's result up to the order of the projections'
-// sums. Decode steps only: n_rows <= 8, n_experts + 1 <= kMoeMaxExperts.
+// sums. Decode steps only: n_rows <= 8, n_experts + 1 <= kMoeMaxExperts, top_k + 1 <= kMoeMaxTopK.
 Status moe_route_experts_shared_f16(const float* logits, bool norm_topk_prob, const uint16_t* x,
                                     const uint16_t* gate_up, const uint16_t* down,
                                     int64_t n_experts, int64_t hidden, int64_t inter, int32_t* ids,
