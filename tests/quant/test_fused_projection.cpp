@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -104,6 +105,22 @@ TEST(FusedProjection, PartsEqualEachWeightAloneForOneAndSeveralRows) {
     Result<FusedProjection> fused = FusedProjection::load(loader, in, parts);
     ASSERT_TRUE(fused.ok()) << fused.message();
     EXPECT_EQ(fused->n_stacks(), c.stacks);
+    // One stack (no bias here): the whole weight as one view whose rows at each part's offset are
+    // that part's view; several stacks: none.
+    const std::optional<LinearView> stacked = fused->stacked_view();
+    ASSERT_EQ(stacked.has_value(), c.stacks == 1);
+    if (stacked.has_value()) {
+      EXPECT_EQ(stacked->out, fused->total());
+      EXPECT_EQ(stacked->in, in);
+      for (size_t i = 0; i < fused->n_parts(); ++i) {
+        const LinearView part = fused->view(i);
+        const LinearView rows = stacked->rows(fused->offset(i), fused->out(i));
+        EXPECT_EQ(rows.data, part.data) << i;
+        EXPECT_EQ(rows.scales, part.scales) << i;
+        EXPECT_EQ(rows.format, part.format) << i;
+        EXPECT_EQ(rows.out, part.out) << i;
+      }
+    }
     for (int64_t n : {1, 3}) {
       SCOPED_TRACE(n);
       std::vector<float> x(size_t(n * in));
