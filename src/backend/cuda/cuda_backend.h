@@ -28,7 +28,7 @@ struct CudaBackendOptions {
   // At decode, the MoE shared expert as one more pair in the routed experts' launches
   // (Backend::moe_route_experts_shared) instead of its own MLP (three launches), as
   // E4KV_MOE_SHARED_EXPERT=fused does. Off until its first GPU round has passed its test and
-  // measured it (written 2026-12-07); E4KV_MOE_SHARED_EXPERT=separate keeps it off.
+  // measured it; E4KV_MOE_SHARED_EXPERT=separate keeps it off.
   bool moe_shared_expert_fused = false;
 };
 

@@ -561,7 +561,7 @@ __global__ void __launch_bounds__(S::kThreads)
 // path (another order), the same FP16 rounding of act and the same epilogues.
 // The grid is the CTAs resident at once (occupancy x SMs, at most one item per warp) and each warp
 // walks the items (tile, weight row) strided by the grid's warps, the rows of a tile next to each
-// other: a decode step's 640 CTAs of one item per warp ran in 2.4 waves at 2 CTAs per SM, each
+// other. One item per warp would take a decode step 640 CTAs, 2.4 waves at 2 CTAs per SM, each
 // wave waiting for memory anew and the last one a third full.
 
 constexpr int kVecRows = 8;        // pairs per tile

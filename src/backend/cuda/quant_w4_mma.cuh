@@ -28,9 +28,8 @@ enum class W4MmaTile {
 const char* w4_mma_tile_name(W4MmaTile tile);
 
 // Whether quant_linear (kAuto) and the CUDA backend route AWQ weights to this kernel: off until
-// its first GPU round has passed its tests and timed it against the register kernels (written
-// 2026-12-07); the environment variable E4KV_W4_MMA=on (read once) or set_w4_mma_auto(true) turns
-// it on. Tests and benchmarks call quant_linear_w4_mma directly either way.
+// its first GPU round has passed its tests and timed it against the register kernels; the
+// environment variable E4KV_W4_MMA=on (read once) or set_w4_mma_auto(true) turns it on. Tests and benchmarks call quant_linear_w4_mma directly either way.
 bool w4_mma_auto();
 void set_w4_mma_auto(bool enabled);
 
